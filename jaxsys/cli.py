@@ -1,0 +1,150 @@
+"""The ``jaxsys`` command.
+
+  jaxsys info                                  JAX version, devices, available implementations
+  jaxsys reproduce [--quick] [--only NAME ...] [--out DIR]
+                                               run registered experiments, print a table, write runs/
+  jaxsys serve ...                             sparse-attention serving engine on a prompt file
+  jaxsys cluster ...                           scheduler simulator sweeps and trace summaries
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _info(_args) -> int:
+  import jax
+  from jaxsys.ops.attention import api
+  print(f"jax {jax.__version__} ({jax.default_backend()})")
+  for d in jax.devices():
+    print(f"  device: {d}")
+  for name in api.IMPLS[1:]:
+    try:
+      api._load(name)
+      ok = "available"
+      if name == "pallas" and jax.default_backend() == "cpu":
+        ok = "compiles for gpu/tpu only (use pallas_interpret on cpu)"
+    except NotImplementedError as e:
+      ok = f"unavailable ({e})"
+    print(f"  attention impl {name}: {ok}")
+  print(f"  auto order: {', '.join(api.auto_order())}")
+  return 0
+
+
+def _fmt(x, digits=3):
+  if x is None:
+    return "-"
+  if isinstance(x, bool):
+    return "yes" if x else "no"
+  if isinstance(x, (int, float)):
+    if x == 0:
+      return "0"
+    ax = abs(x)
+    if ax >= 1e5 or ax < 1e-3:
+      return f"{x:.3g}"
+    return f"{x:.{digits}g}" if ax < 100 else f"{x:.0f}"
+  return str(x)
+
+
+def format_table(results: list[dict]) -> str:
+  """Markdown table: system, experiment, metric, baseline, ours, ratio, ideal, goal, met."""
+  from experiments import REGISTRY
+  head = "| system | experiment | metric | unit | baseline | ours | ratio | ideal | goal | met? |"
+  lines = [head, "|" + "---|" * 10]
+  for res in results:
+    system = REGISTRY.get(res["name"], ("", res["name"], ""))[1]
+    if res.get("error"):
+      lines.append(f"| {system} | {res['name']} | FAILED: {res['error']} | | | | | | | no |")
+      continue
+    for r in res.get("rows", []):
+      base = _fmt(r.get("baseline"))
+      if r.get("baseline_name"):
+        base = f"{base} ({r['baseline_name']})"
+      met = r.get("met")
+      lines.append(
+          f"| {system} | {res['name']} | {r['metric']} | {r.get('unit', '')} | {base} | "
+          f"{_fmt(r.get('ours'))} | {_fmt(r.get('ratio'))} | {_fmt(r.get('ideal'))} | "
+          f"{r.get('goal') or '-'} | {'-' if met is None else ('yes' if met else 'no')} |")
+  return "\n".join(lines)
+
+
+def _reproduce(args) -> int:
+  from experiments import REGISTRY
+  names = args.only or list(REGISTRY)
+  unknown = [n for n in names if n not in REGISTRY]
+  if unknown:
+    print(f"unknown experiment(s) {unknown}; known: {', '.join(REGISTRY)}", file=sys.stderr)
+    return 2
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  results = []
+  t_all = time.perf_counter()
+  for i, name in enumerate(names, 1):
+    module = REGISTRY[name][0]
+    print(f"[{i}/{len(names)}] {name}: {REGISTRY[name][2]} ...", flush=True)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", module, "--out", str(out)] + (["--quick"] if args.quick else [])
+    log_path = out / name / "log.txt"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path = out / name / "result.json"
+    if result_path.exists():
+      result_path.unlink()
+    with open(log_path, "w") as log:
+      proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                            timeout=args.timeout)
+    dt = time.perf_counter() - t0
+    if proc.returncode == 0 and result_path.exists():
+      res = json.loads(result_path.read_text())
+      print(f"      done in {dt:.0f}s ({len(res.get('rows', []))} rows)", flush=True)
+    else:
+      tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
+      res = {"name": name, "error": f"exit {proc.returncode}: {tail[0][:120]}"}
+      print(f"      FAILED in {dt:.0f}s: see {log_path}", flush=True)
+    results.append(res)
+  table = format_table(results)
+  print()
+  print(table)
+  (out / "summary.md").write_text(table + "\n")
+  (out / "summary.json").write_text(json.dumps(results, indent=2))
+  print(f"\n{len(names)} experiments in {time.perf_counter() - t_all:.0f}s; results in {out}/")
+  return 0 if all(not r.get("error") for r in results) else 1
+
+
+def _delegate(module: str):
+  def run(args) -> int:
+    import importlib
+    return importlib.import_module(module).main(args.rest) or 0
+  return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxsys", description="jaxsys: efficient ML systems in JAX")
+  sub = p.add_subparsers(dest="command", required=True)
+  sub.add_parser("info", help="JAX version, devices and available implementations").set_defaults(fn=_info)
+  r = sub.add_parser("reproduce", help="run the registered experiments and print a table")
+  r.add_argument("--quick", action="store_true", help="small sizes: minutes on 2 CPU cores")
+  r.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments")
+  r.add_argument("--out", default="runs", help="output folder (default: runs)")
+  r.add_argument("--timeout", type=float, default=None, help="seconds per experiment")
+  r.set_defaults(fn=_reproduce)
+  for name, module, help_ in (("serve", "jaxsys.serving.cli", "serve prompts with the LServe engine"),
+                              ("cluster", "jaxsys.cluster.cli", "cluster scheduling tools")):
+    s = sub.add_parser(name, help=help_, add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=_delegate(module))
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  return args.fn(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,106 @@
+"""Benchmark helpers: warm-up, ``block_until_ready``, min/median of N, compiled peak memory.
+
+Absolute times on a shared CPU are noisy; experiments time baseline and ours side by side in
+one process and report ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Seconds per call over ``len(times)`` timed calls (after warm-up)."""
+  times: tuple[float, ...]
+
+  @property
+  def min(self) -> float:
+    return min(self.times)
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.times)
+
+  @property
+  def ms(self) -> float:
+    """Best (minimum) time in milliseconds: the least noisy estimate on a shared machine."""
+    return 1e3 * self.min
+
+
+def block(x):
+  return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def time_fn(fn: Callable, *args, warmup: int = 1, iters: int = 5, min_time: float = 0.0,
+            **kwargs) -> Timing:
+  """Times ``fn(*args, **kwargs)``; waits for device results so async dispatch is counted.
+
+  Runs at least ``iters`` timed calls and keeps going until ``min_time`` seconds were spent.
+  """
+  for _ in range(warmup):
+    block(fn(*args, **kwargs))
+  times = []
+  start = time.perf_counter()
+  while len(times) < iters or time.perf_counter() - start < min_time:
+    t0 = time.perf_counter()
+    block(fn(*args, **kwargs))
+    times.append(time.perf_counter() - t0)
+  return Timing(tuple(times))
+
+
+def compiled_memory(fn: Callable, *args, **kwargs) -> dict[str, int] | None:
+  """Bytes XLA plans for a jitted ``fn``: arguments, outputs, temporaries and their sum.
+
+  This is the compiler's plan (exact for what it allocates), available on every backend that
+  reports ``memory_analysis``; returns None where the backend does not.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  try:
+    analysis = jitted.lower(*args, **kwargs).compile().memory_analysis()
+  except Exception:  # pragma: no cover - backend without memory analysis
+    return None
+  if analysis is None:
+    return None
+  out = {
+      "argument_bytes": int(analysis.argument_size_in_bytes),
+      "output_bytes": int(analysis.output_size_in_bytes),
+      "temp_bytes": int(analysis.temp_size_in_bytes),
+  }
+  out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+  return out
+
+
+def matmul_peak_gflops(n: int = 1024, dtype="float32", iters: int = 5) -> float:
+  """Measured f32 matmul throughput on the default device (the roofline for FLOP-bound ops)."""
+  import jax.numpy as jnp
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  t = time_fn(f, a, iters=iters)
+  return 2 * n**3 / t.min / 1e9
+
+
+def hardware_string() -> str:
+  """One line naming the backend and, on CPU, the core count and processor."""
+  backend = jax.default_backend()
+  if backend == "cpu":
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    proc = platform.processor() or platform.machine()
+    try:
+      with open("/proc/cpuinfo") as f:
+        for line in f:
+          if line.startswith("model name"):
+            proc = line.split(":", 1)[1].strip()
+            break
+    except OSError:
+      pass
+    return f"cpu: {cores} cores, {proc}"
+  devs = jax.devices()
+  return f"{backend}: {len(devs)} x {devs[0].device_kind}"

@@ -1,0 +1,214 @@
+"""Lazy, composable attention masks.
+
+Semantics (all masks): query row ``i`` of a ``q_len``-row block sits at absolute position
+``pos(i) = q_offset + i`` with ``q_offset = kv_len - q_len`` by default (bottom-right aligned,
+as in decoding); key ``j`` sits at position ``j``.
+
+* ``Full()``: every key is visible.
+* ``Causal()``: key j visible iff ``j <= pos(i)``.
+* ``Local(w)``: visible iff ``0 <= pos(i) - j < w`` (the query itself and the ``w-1`` keys before it).
+* ``Sink(n)``: visible iff ``j < n`` and ``j <= pos(i)``. ``Sink(n) | Local(w)`` is a streaming head.
+* ``a | b``, ``a & b``: union / intersection.
+* ``MultiHead([m_0, ..., m_{H-1}])``: query head ``h`` uses ``m_h``.
+* ``BlockSparse(layout, block_q, block_k, token_mask=None)``: ``layout[h, i // block_q, j // block_k]``
+  says whether query block ``i // block_q`` (by row index) of head h visits key block
+  ``j // block_k``; inside visited blocks the optional ``token_mask`` (another mask) applies.
+  A layout with a leading dimension of 1 applies to all heads.
+
+Masks are evaluated lazily: ``visible`` works on broadcastable index arrays (inside jit, on
+blocks), ``dense`` materialises a small ``[heads, q_len, kv_len]`` boolean array for references
+and tests. Kernels compile masks to block layouts so that blocks with no visible key are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsys.core.errors import ConfigError, ShapeError
+
+
+class Mask:
+  """Base class. Subclasses implement ``visible(q_idx, q_pos, k_idx, head)``."""
+
+  #: Number of heads a head-dependent mask is defined for (None: the same for every head).
+  num_heads: int | None = None
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    """Boolean visibility for broadcastable int arrays of row index, position, key index, head."""
+    raise NotImplementedError
+
+  def __or__(self, other: "Mask") -> "Mask":
+    return Or((self, _as_mask(other)))
+
+  def __and__(self, other: "Mask") -> "Mask":
+    return And((self, _as_mask(other)))
+
+  def dense(self, q_len: int, kv_len: int, *, heads: int | None = None,
+            q_offset: int | None = None) -> np.ndarray:
+    """Materialises ``bool[heads, q_len, kv_len]`` (heads=1 for head-independent masks)."""
+    q_offset = kv_len - q_len if q_offset is None else int(q_offset)
+    h = heads or self.num_heads or 1
+    if self.num_heads is not None and heads is not None and heads != self.num_heads:
+      raise ShapeError(f"mask is defined for {self.num_heads} heads but {heads=}")
+    q_idx = np.arange(q_len)[None, :, None]
+    k_idx = np.arange(kv_len)[None, None, :]
+    head = np.arange(h)[:, None, None]
+    out = self.visible(q_idx, q_idx + q_offset, k_idx, head)
+    return np.broadcast_to(np.asarray(out, bool), (h, q_len, kv_len)).copy()
+
+
+def _as_mask(m) -> Mask:
+  if not isinstance(m, Mask):
+    raise ConfigError(f"expected a jaxsys.ops.masks.Mask, got {type(m).__name__}")
+  return m
+
+
+def _xp(*arrays):
+  return np if all(isinstance(a, (np.ndarray, int, np.integer)) for a in arrays) else jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(Mask):
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    xp = _xp(q_pos, k_idx)
+    return xp.ones(xp.broadcast_shapes(xp.shape(q_pos), xp.shape(k_idx)), bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(Mask):
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    return k_idx <= q_pos
+
+
+@dataclasses.dataclass(frozen=True)
+class Local(Mask):
+  window: int
+
+  def __post_init__(self):
+    if int(self.window) < 1:
+      raise ConfigError(f"Local window={self.window} must be >= 1")
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    d = q_pos - k_idx
+    return (d >= 0) & (d < self.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sink(Mask):
+  num_sink: int
+
+  def __post_init__(self):
+    if int(self.num_sink) < 0:
+      raise ConfigError(f"Sink num_sink={self.num_sink} must be >= 0")
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    return (k_idx < self.num_sink) & (k_idx <= q_pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class Or(Mask):
+  masks: tuple[Mask, ...]
+
+  @property
+  def num_heads(self):  # type: ignore[override]
+    return _common_heads(self.masks)
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    out = self.masks[0].visible(q_idx, q_pos, k_idx, head)
+    for m in self.masks[1:]:
+      out = out | m.visible(q_idx, q_pos, k_idx, head)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class And(Mask):
+  masks: tuple[Mask, ...]
+
+  @property
+  def num_heads(self):  # type: ignore[override]
+    return _common_heads(self.masks)
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    out = self.masks[0].visible(q_idx, q_pos, k_idx, head)
+    for m in self.masks[1:]:
+      out = out & m.visible(q_idx, q_pos, k_idx, head)
+    return out
+
+
+def _common_heads(masks):
+  hs = {m.num_heads for m in masks if m.num_heads is not None}
+  if len(hs) > 1:
+    raise ConfigError(f"combined masks disagree on the number of heads: {sorted(hs)}")
+  return hs.pop() if hs else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiHead(Mask):
+  """Head ``h`` uses ``masks[h]`` (e.g. retrieval heads Causal, streaming heads Sink|Local)."""
+  masks: tuple[Mask, ...]
+
+  def __init__(self, masks: Sequence[Mask]):
+    masks = tuple(_as_mask(m) for m in masks)
+    if not masks:
+      raise ConfigError("MultiHead needs at least one mask")
+    object.__setattr__(self, "masks", masks)
+
+  @property
+  def num_heads(self):  # type: ignore[override]
+    return len(self.masks)
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    if head is None:
+      raise ShapeError("MultiHead masks need the head index")
+    xp = _xp(q_pos, k_idx, head)
+    out = None
+    for h, m in enumerate(self.masks):
+      v = (head == h) & m.visible(q_idx, q_pos, k_idx, None)
+      out = v if out is None else out | v
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockSparse(Mask):
+  """Block layout ``bool[heads or 1, ceil(q_len/block_q), ceil(kv_len/block_k)]``."""
+  layout: np.ndarray
+  block_q: int
+  block_k: int
+  token_mask: Mask | None = None
+
+  def __post_init__(self):
+    layout = np.asarray(self.layout)
+    if layout.ndim == 2:
+      layout = layout[None]
+    if layout.ndim != 3:
+      raise ShapeError(f"BlockSparse layout must be [heads, q_blocks, k_blocks], got {layout.shape}")
+    if self.block_q < 1 or self.block_k < 1:
+      raise ConfigError(f"block_q={self.block_q} and block_k={self.block_k} must be >= 1")
+    object.__setattr__(self, "layout", layout.astype(bool))
+
+  @property
+  def num_heads(self):  # type: ignore[override]
+    h = self.layout.shape[0]
+    return None if h == 1 else h
+
+  def check_lengths(self, q_len: int, kv_len: int):
+    nq, nk = -(-q_len // self.block_q), -(-kv_len // self.block_k)
+    if self.layout.shape[1:] != (nq, nk):
+      raise ShapeError(
+          f"BlockSparse layout shape {self.layout.shape[1:]} does not match {q_len=}, {kv_len=} "
+          f"with block_q={self.block_q}, block_k={self.block_k} (expected {(nq, nk)})")
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    xp = _xp(q_idx, k_idx) if head is None else _xp(q_idx, k_idx, head)
+    layout = xp.asarray(self.layout)
+    h = 0 if (head is None or self.layout.shape[0] == 1) else head
+    qb = xp.clip(q_idx // self.block_q, 0, layout.shape[1] - 1)
+    kb = xp.clip(k_idx // self.block_k, 0, layout.shape[2] - 1)
+    out = layout[h, qb, kb]
+    if self.token_mask is not None:
+      out = out & self.token_mask.visible(q_idx, q_pos, k_idx, head)
+    return out
