@@ -1,0 +1,187 @@
+"""Decoder-only language model of the Llama / Qwen2 / Mistral family (Flax NNX).
+
+Each block is pre-norm: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with GQA attention,
+RoPE (default / linear / llama3 / YaRN scaling), optional qkv bias (Qwen2), optional sliding
+window (Mistral), SwiGLU MLP and RMSNorm; embeddings may be tied to the LM head.
+
+Calling ``model(tokens)`` on ``int[batch, seq]`` returns ``logits [batch, seq, vocab]``. Keyword
+arguments carry the rest: ``positions`` (``int[batch, seq]``, for packed or zigzag-reordered
+sequences; default ``arange``), ``segment_ids`` (packed sequences), ``embeds`` (input embeddings
+instead of tokens, e.g. from a vision tower), ``cache`` (a KV cache, see
+``jaxsys.serving.kv_cache.KVCache``) and ``return_hidden``. With a cache or ``return_hidden`` the
+result is a :class:`DecoderOutput` ``(logits, cache, hidden)``.
+
+Pieces for running the model layer by layer with other attention/caches: ``model.embed``,
+``model.layers[i].attn.project_qkv / project_out``, ``model.layers[i].mlp``,
+``model.layers[i].attn_norm / mlp_norm``, ``model.final_norm``, ``model.logits``.
+
+Usage::
+
+  cfg = DecoderConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  logits = model(jnp.zeros((1, 8), jnp.int32))            # [1, 8, 256]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsys.core.errors import ShapeError
+from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.nn.attention import Attention, default_attention_fn
+from jaxsys.nn.layers import Embed, RMSNorm, SwiGLU, constrain, param
+
+__all__ = ["DecoderConfig", "Decoder", "CausalLM", "DecoderLayer", "DecoderOutput",
+           "replace_config", "default_positions"]
+
+
+class DecoderOutput(NamedTuple):
+  logits: Any        # [batch, seq, vocab] float32
+  cache: Any         # the updated cache (or None)
+  hidden: Any        # [batch, seq, embed] final hidden states after the final norm (or None)
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm block: attention and SwiGLU MLP, each with a residual."""
+
+  def __init__(self, config: DecoderConfig, layer: int, *, attention_fn: Callable | None,
+               rngs: nnx.Rngs):
+    c = config
+    dt, pdt = c.jnp_dtype, c.jnp_param_dtype
+    self.attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=pdt)
+    self.attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rope=c.rope,
+                          qkv_bias=c.qkv_bias, o_bias=c.o_bias, sliding_window=c.window(layer),
+                          attention_fn=attention_fn, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=pdt)
+    self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x, positions, *, segment_ids=None, kv_cache=None, cache_lengths=None):
+    a, kv = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, kv_cache=kv_cache,
+                      cache_lengths=cache_lengths)
+    h = x + a
+    return h + self.mlp(self.mlp_norm(h)), kv
+
+
+def default_positions(batch: int, seq: int, offsets=None):
+  """``int32[batch, seq]`` positions ``offsets[b] + arange(seq)`` (offsets default 0)."""
+  pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  return pos if offsets is None else pos + jnp.asarray(offsets, jnp.int32)[:, None]
+
+
+class Decoder(nnx.Module):
+  """Causal decoder LM; see the module docstring."""
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs,
+               attention_fn: Callable | None = None):
+    c = config
+    self.config = c
+    attention_fn = attention_fn or default_attention_fn(c.attention_impl)
+    dt, pdt = c.jnp_dtype, c.jnp_param_dtype
+    self.embed_tokens = Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(c, i, attention_fn=attention_fn, rngs=rngs)
+                            for i in range(c.num_layers)])
+    self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=pdt)
+    self.lm_head = None if c.tie_embeddings else param(
+        rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype=pdt)
+
+  # ---- pieces -------------------------------------------------------------------------------
+  def embed(self, tokens):
+    """``int[batch, seq] -> [batch, seq, embed]``."""
+    return self.embed_tokens(tokens)
+
+  def logits(self, h):
+    """Final hidden states (after ``final_norm``) ``[batch, seq, embed]`` -> float32 logits."""
+    if self.lm_head is None:
+      out = self.embed_tokens.attend(h)
+    else:
+      out = jnp.einsum("bsd,dv->bsv", h, self.lm_head[...].astype(h.dtype))  # [batch, seq, vocab]
+    return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+  # ---- full model ---------------------------------------------------------------------------
+  def __call__(self, tokens=None, *, positions=None, segment_ids=None, cache=None,
+               return_hidden: bool = False, embeds=None):
+    h, cache_out = self.forward_hidden(tokens, positions=positions, segment_ids=segment_ids,
+                                       cache=cache, embeds=embeds)
+    logits = self.logits(h)
+    if cache is None and not return_hidden:
+      return logits
+    return DecoderOutput(logits, cache_out, h if return_hidden else None)
+
+  def forward_hidden(self, tokens=None, *, positions=None, segment_ids=None, cache=None,
+                     embeds=None):
+    """Runs the blocks and the final norm; returns ``(hidden [batch, seq, embed], cache)``.
+
+    Lets callers apply :meth:`logits` to a few positions only (e.g. the last prompt token).
+    """
+    x = self._inputs(tokens, embeds)
+    b, s = x.shape[:2]
+    lengths = None if cache is None else cache.lengths
+    if positions is None:
+      positions = default_positions(b, s, lengths)
+    elif positions.shape != (b, s):
+      raise ShapeError(f"positions must have shape {(b, s)}, got {positions.shape}")
+    if cache is not None and len(cache.k) != len(self.layers):
+      raise ShapeError(f"cache has {len(cache.k)} layers but the model has {len(self.layers)}")
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      call = _maybe_remat(layer, self.config.remat and cache is None)
+      x, kv = call(x, positions, segment_ids=segment_ids, kv_cache=kv, cache_lengths=lengths)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    if cache is not None:
+      cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + s)
+    return self.final_norm(x), cache
+
+  def _inputs(self, tokens, embeds):
+    if (tokens is None) == (embeds is None):
+      raise ShapeError("pass exactly one of tokens int[batch, seq] or embeds [batch, seq, embed]")
+    if embeds is not None:
+      if embeds.ndim != 3 or embeds.shape[-1] != self.config.hidden_size:
+        raise ShapeError(f"embeds must be [batch, seq, {self.config.hidden_size}], got {embeds.shape}")
+      return embeds.astype(self.config.jnp_dtype)
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ShapeError(f"tokens must be int[batch, seq], got {tokens.dtype} {tokens.shape}")
+    return self.embed(tokens)
+
+
+CausalLM = Decoder
+
+
+def _maybe_remat(layer, remat: bool):
+  """The layer itself, or a rematerialised call (activations recomputed in the backward pass)."""
+  if not remat:
+    return layer
+
+  def call(x, positions, *, segment_ids=None, **kwargs):
+    fn = nnx.remat(lambda lyr, x_, p_, s_: lyr(x_, p_, segment_ids=s_, **kwargs))
+    return fn(layer, x, positions, segment_ids)
+
+  return call
+
+
+def replace_config(model: Decoder, **changes) -> Decoder:
+  """A new model sharing ``model``'s parameters with config fields changed.
+
+  For changes that keep parameter shapes, e.g. RoPE scaling for long context::
+
+    longer = replace_config(model, rope=dataclasses.replace(model.config.rope, kind="linear", factor=4.0))
+  """
+  config = dataclasses.replace(model.config, **changes)
+  attention_fn = model.layers[0].attn.attention_fn if len(model.layers) else None
+  new = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), attention_fn=attention_fn))
+  nnx.update(new, nnx.state(model))
+  return new
+
+
+def random_model(config: DecoderConfig, seed: int = 0, attention_fn=None) -> Decoder:
+  """A model with random weights (normal(0, 0.02) matrices, unit norms)."""
+  return Decoder(config, rngs=nnx.Rngs(seed), attention_fn=attention_fn)
+

@@ -1,0 +1,263 @@
+"""GNNs for node classification (GCN, GIN, GAT), float32 or A2Q-quantized, and their trainer.
+
+``GNN(cfg, num_nodes, rngs=...)`` stacks ``jaxsys.nn.quantized`` layers; with ``cfg.quant`` set
+every layer quantizes its input features (per node or NNS) and its weights (per channel).
+``train_node_classifier`` trains with Adam (separate learning rates for weights, A2Q steps and
+A2Q bits), adds A2Q's memory penalty, and keeps the parameters of the best validation epoch.
+
+Usage::
+
+  cfg = GNNConfig(kind="gcn", in_features=F, num_classes=C, quant=A2QConfig(target_bits=2))
+  model = GNN(cfg, num_nodes=N, rngs=nnx.Rngs(0))
+  data = NodeData.from_dataset(ds, cfg.kind)
+  result = train_node_classifier(model, data, TrainConfig(epochs=200), seed=0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, GATConv, GCNConv, GINConv,
+                                 QuantLinear, WeightQuantizer)
+from jaxsys.ops.quantized_aggregate import normalized_edges
+from jaxsys.quant import a2q
+from jaxsys.quant.random import hash_dropout
+
+KINDS = ("gcn", "gin", "gat")
+
+
+@dataclasses.dataclass(frozen=True)
+class GNNConfig:
+  in_features: int
+  num_classes: int
+  kind: str = "gcn"
+  hidden: int = 16
+  num_layers: int = 2
+  heads: int = 8
+  dropout: float = 0.5
+  quant: A2QConfig | None = None
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ConfigError(f"kind={self.kind!r} must be one of {KINDS}")
+    for name in ("in_features", "num_classes", "hidden", "num_layers", "heads"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f"dropout={self.dropout} must lie in [0, 1)")
+
+  @property
+  def aggregation(self) -> str:
+    return "sum" if self.kind == "gin" else "gcn"   # gat uses the self-looped edges of "gcn"
+
+
+class GNN(nnx.Module):
+  """``num_layers`` graph convolutions with ReLU + dropout between them."""
+
+  def __init__(self, cfg: GNNConfig, num_nodes: int, *, rngs: nnx.Rngs, init_bits=None):
+    self.cfg = cfg
+    dims = [cfg.in_features] + [cfg.hidden] * (cfg.num_layers - 1) + [cfg.num_classes]
+    layers = []
+    for i in range(cfg.num_layers):
+      last = i == cfg.num_layers - 1
+      kw = dict(num_nodes=num_nodes, quant=cfg.quant, rngs=rngs,
+                init_bits=init_bits[i] if init_bits is not None else None)
+      if cfg.kind == "gcn":
+        layers.append(GCNConv(dims[i], dims[i + 1], **kw))
+      elif cfg.kind == "gin":
+        layers.append(GINConv(dims[i], dims[i + 1], **kw))
+      else:
+        heads = 1 if last else cfg.heads
+        din = dims[i] if i == 0 else cfg.hidden * cfg.heads
+        layers.append(GATConv(din, dims[i + 1], heads=heads, concat=not last, **kw))
+    self.layers = nnx.List(layers)
+
+  def __call__(self, x, edges, *, train: bool = False, seed=0):
+    """Returns ``(logits [N, classes], bits_info)``; ``seed`` (int) drives dropout in training.
+
+    Dropout is the counter-hash dropout of ``jaxsys.quant.random`` (cheap on CPU, identical
+    under graph partitioning).
+    """
+    bits_info = []
+    for i, layer in enumerate(self.layers):
+      if train and self.cfg.dropout > 0:
+        x = hash_dropout(x, jnp.asarray(seed, jnp.uint32) * 7919 + i, self.cfg.dropout)
+      x, info = layer(x, edges)
+      bits_info += info
+      if i < len(self.layers) - 1:
+        x = jax.nn.relu(x)
+    return x, bits_info
+
+  def calibrate(self, x, edges):
+    """Sets every feature quantizer's steps from one float forward pass (A2Q init)."""
+    qs = feature_quantizers(self)
+    for q in qs:
+      q.calibrating = True
+    try:
+      self(x, edges)
+    finally:
+      for q in qs:
+        q.calibrating = False
+
+
+def feature_quantizers(model) -> list[FeatureQuantizer]:
+  return [m for _, m in nnx.iter_graph(model) if isinstance(m, FeatureQuantizer)]
+
+
+def weight_quantizers(model) -> list[WeightQuantizer]:
+  return [m for _, m in nnx.iter_graph(model) if isinstance(m, WeightQuantizer)]
+
+
+def average_feature_bits(bits_info) -> float:
+  """Element-weighted average of the rounded feature bitwidths of one forward pass."""
+  if not bits_info:
+    return 32.0
+  return float(a2q.average_bits(bits_info))
+
+
+def compression_ratio(model, bits_info) -> dict:
+  """Float32 bits / quantized bits of node features + weights (A2Q's compression ratio).
+
+  Quantized features count ``dim * b_i`` per node row, quantized kernels ``rows * b_c`` per
+  output channel; everything else (biases, attention vectors, GIN eps) 32 bits on both sides.
+  Also reports the ratio including the float32 step sizes (the per-row / per-channel scales).
+  """
+  fp = q = scale_bits = 0.0
+  for b, dim in bits_info:
+    n = float(b.size)
+    fp += 32.0 * n * dim
+    q += float(jnp.sum(a2q.round_bits(b))) * dim
+    scale_bits += 32.0 * n
+  lin_kernels = {id(m.kernel): m for _, m in nnx.iter_graph(model) if isinstance(m, QuantLinear)}
+  for _, p in nnx.iter_graph(model):
+    if not isinstance(p, nnx.Param) or _is_quant_param(p):
+      continue
+    size = float(np.prod(p[...].shape))
+    fp += 32.0 * size
+    lin = lin_kernels.get(id(p))
+    if lin is not None and lin.wq is not None:
+      q += float(jnp.sum(a2q.round_bits(lin.wq.bits[...]))) * lin.kernel[...].shape[0]
+      scale_bits += 32.0 * lin.kernel[...].shape[1]
+    else:
+      q += 32.0 * size
+  return {"ratio": fp / q, "ratio_with_scales": fp / (q + scale_bits), "float32_bits": fp,
+          "quantized_bits": q}
+
+
+def _is_quant_param(p) -> bool:
+  from jaxsys.nn.quantized import BitsParam, StepParam
+  return isinstance(p, (StepParam, BitsParam))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeData:
+  """Device arrays of one node-classification graph, edges normalised for the model kind."""
+  x: jax.Array
+  edges: tuple
+  labels: jax.Array
+  train_mask: jax.Array
+  val_mask: jax.Array
+  test_mask: jax.Array
+
+  @classmethod
+  def from_dataset(cls, ds, kind: str = "gcn"):
+    n = ds.num_nodes
+    agg = "sum" if kind == "gin" else "gcn"
+    edges = normalized_edges(ds.senders, ds.receivers, n, agg)
+    return cls(jnp.asarray(ds.features), edges, jnp.asarray(ds.labels),
+               jnp.asarray(ds.train_mask), jnp.asarray(ds.val_mask), jnp.asarray(ds.test_mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  epochs: int = 200
+  lr: float = 0.01
+  weight_decay: float = 5e-4
+  lr_step: float = 0.005
+  lr_bits: float = 0.05
+  degree_bits: tuple | None = None      # MEGA prior per feature quantizer (regulariser)
+  degree_weight: float = 0.0
+
+  def __post_init__(self):
+    if self.epochs <= 0:
+      raise ConfigError(f"epochs={self.epochs} must be positive")
+    for name in ("lr", "lr_step", "lr_bits"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+
+
+def _label(path, _):
+  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+  if "bits" in names:
+    return "bits"
+  if "step" in names:
+    return "step"
+  return "weights"
+
+
+def masked_accuracy(logits, labels, mask):
+  hit = (jnp.argmax(logits, -1) == labels) & mask
+  return jnp.sum(hit) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def train_node_classifier(model: GNN, data: NodeData, cfg: TrainConfig, seed: int = 0) -> dict:
+  """Full-batch training; returns best-validation accuracies, bits and the selected model."""
+  if data.x.shape[1] != model.cfg.in_features:
+    raise ShapeError(f"features have {data.x.shape[1]} columns, model expects "
+                     f"{model.cfg.in_features}")
+  quant = model.cfg.quant
+  if quant is not None:
+    model.calibrate(data.x, data.edges)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  labels = jax.tree_util.tree_map_with_path(_label, params)
+  tx = optax.multi_transform({
+      "weights": optax.adamw(cfg.lr, weight_decay=cfg.weight_decay),
+      "step": optax.adam(cfg.lr_step), "bits": optax.adam(cfg.lr_bits)}, labels)
+  opt_state = tx.init(params)
+  train_mask = data.train_mask
+
+  def loss_fn(p, seed):
+    logits, info = nnx.merge(graphdef, p, rest)(data.x, data.edges, train=True, seed=seed)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, data.labels)
+    loss = jnp.sum(jnp.where(train_mask, ce, 0.0)) / jnp.sum(train_mask)
+    if quant is not None and quant.target_bits is not None and info:
+      loss = loss + quant.penalty * a2q.memory_penalty(info, quant.target_bits)
+    if cfg.degree_bits is not None and cfg.degree_weight > 0:
+      from jaxsys.quant.mega import degree_regularizer
+      loss = loss + cfg.degree_weight * sum(
+          degree_regularizer(b, db) for (b, _), db in zip(info, cfg.degree_bits) if db is not None)
+    return loss
+
+  @jax.jit
+  def step(p, o, seed):
+    loss, g = jax.value_and_grad(loss_fn)(p, seed)
+    upd, o = tx.update(g, o, p)
+    return optax.apply_updates(p, upd), o, loss
+
+  @jax.jit
+  def evaluate(p):
+    logits, info = nnx.merge(graphdef, p, rest)(data.x, data.edges, train=False)
+    accs = [masked_accuracy(logits, data.labels, m)
+            for m in (data.train_mask, data.val_mask, data.test_mask)]
+    avg = a2q.average_bits(info) if info else jnp.float32(32.0)
+    return jnp.stack(accs), avg
+
+  best = (-1.0, None, None, None)
+  history = []
+  for epoch in range(cfg.epochs):
+    params, opt_state, loss = step(params, opt_state, jnp.uint32(seed * 100003 + epoch))
+    accs, avg = evaluate(params)
+    accs = np.asarray(accs)
+    history.append((float(loss), *map(float, accs), float(avg)))
+    if accs[1] > best[0]:
+      best = (float(accs[1]), float(accs[2]), jax.tree.map(lambda a: a, params), float(avg))
+  final = nnx.merge(graphdef, best[2], rest)
+  return {"val_acc": best[0], "test_acc": best[1], "avg_bits": best[3], "model": final,
+          "history": history}

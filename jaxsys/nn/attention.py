@@ -1,0 +1,123 @@
+"""Grouped-query self-attention with RoPE (Flax NNX), calling attention through a hook.
+
+``Attention`` splits into pieces other systems reuse with their own attention and caches:
+
+* ``project_qkv(x, positions) -> (q, k, v)``: projections (+ optional bias, Qwen2) and RoPE;
+  q ``[batch, seq, heads, head_dim]``, k/v ``[batch, seq, kv_heads, head_dim]``.
+* ``project_out(o)``: ``[batch, seq, heads, head_dim] -> [batch, seq, embed]``.
+* ``__call__``: both, with ``attention_fn`` (default :func:`jaxsys.ops.attention`) in between,
+  optionally reading/writing a contiguous KV cache.
+
+``attention_fn`` has the signature of ``jaxsys.ops.attention`` (q, k, v, mask=, segment_ids=,
+scale=, q_offset=, kv_lengths=); only non-None keywords are passed, so a sequence-parallel
+attention without cache support can be dropped in (``functools.partial(fn, mesh=...)``).
+
+GQA (Ainslie et al., 2023): query head h reads kv head ``h // (heads // kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.nn.layers import constrain, param
+from jaxsys.nn.rope import RopeConfig, apply_rope
+from jaxsys.ops import masks
+
+
+def default_attention_fn(impl: str = "auto") -> Callable:
+  from jaxsys.ops.attention import attention
+  return functools.partial(attention, impl=impl)
+
+
+class Attention(nnx.Module):
+  """Causal (optionally sliding-window) GQA self-attention with RoPE."""
+
+  def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
+               rope: RopeConfig, qkv_bias: bool = False, o_bias: bool = False,
+               sliding_window: int | None = None, attention_fn: Callable | None = None,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if heads % kv_heads:
+      raise ConfigError(f"{heads=} must be divisible by {kv_heads=}")
+    if sliding_window is not None and sliding_window < 1:
+      raise ConfigError(f"{sliding_window=} must be >= 1 or None")
+    self.dim, self.heads, self.kv_heads, self.head_dim = dim, heads, kv_heads, head_dim
+    self.rope, self.sliding_window, self.dtype = rope, sliding_window, dtype
+    self.attention_fn = attention_fn or default_attention_fn()
+    p = functools.partial(param, rngs, dtype=param_dtype)
+    self.wq = p((dim, heads, head_dim), ("embed", "heads", "head_dim"))
+    self.wk = p((dim, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))
+    self.wv = p((dim, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))
+    self.wo = p((heads, head_dim, dim), ("heads", "head_dim", "embed"))
+    if qkv_bias:
+      self.bq = p((heads, head_dim), ("heads", "head_dim"), init="zeros")
+      self.bk = p((kv_heads, head_dim), ("kv_heads", "head_dim"), init="zeros")
+      self.bv = p((kv_heads, head_dim), ("kv_heads", "head_dim"), init="zeros")
+    else:
+      self.bq = self.bk = self.bv = None
+    self.bo = p((dim,), ("embed",), init="zeros") if o_bias else None
+
+  @property
+  def mask(self) -> masks.Mask:
+    """Causal, or ``Local(sliding_window)`` (which is causal within the window)."""
+    return masks.Causal() if self.sliding_window is None else masks.Local(self.sliding_window)
+
+  def _proj(self, x, w, b):
+    y = jnp.einsum("bsd,dhk->bshk", x, w[...].astype(self.dtype))  # [batch, seq, heads, head_dim]
+    return y if b is None else y + b[...].astype(self.dtype)
+
+  def project_qkv(self, x, positions):
+    """``x [batch, seq, embed]``, ``positions int[batch, seq]`` -> q, k, v after RoPE."""
+    if x.ndim != 3 or x.shape[-1] != self.dim:
+      raise ShapeError(f"x must be [batch, seq, {self.dim}], got shape {x.shape}")
+    x = x.astype(self.dtype)
+    q = self._proj(x, self.wq, self.bq)
+    k = self._proj(x, self.wk, self.bk)
+    v = self._proj(x, self.wv, self.bv)
+    q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+    q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+    k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    return q, k, v
+
+  def project_out(self, o):
+    """``o [batch, seq, heads, head_dim] -> [batch, seq, embed]``."""
+    out = jnp.einsum("bshk,hkd->bsd", o.astype(self.dtype), self.wo[...].astype(self.dtype))
+    if self.bo is not None:
+      out = out + self.bo[...].astype(self.dtype)
+    return constrain(out, ("batch", "seq", "embed"))
+
+  def attend(self, q, k, v, **kwargs):
+    """Calls ``attention_fn`` with this layer's mask, dropping None keywords."""
+    kwargs = {k_: v_ for k_, v_ in kwargs.items() if v_ is not None}
+    return self.attention_fn(q, k, v, mask=self.mask, **kwargs)
+
+  def __call__(self, x, positions, *, segment_ids=None, kv_cache=None, cache_lengths=None):
+    """Returns ``(out [batch, seq, embed], new_kv_cache or None)``.
+
+    ``kv_cache``: ``(k_cache, v_cache)`` each ``[batch, max_len, kv_heads, head_dim]``;
+    ``cache_lengths int[batch]``: tokens already in the cache. The new keys/values are written
+    at rows ``cache_lengths + arange(seq)`` (in place when the caller donates the cache) and
+    the queries attend over cache rows ``< cache_lengths + seq`` with their absolute offsets.
+    """
+    q, k, v = self.project_qkv(x, positions)
+    if kv_cache is None:
+      o = self.attend(q, k, v, segment_ids=segment_ids)
+      return self.project_out(o), None
+    k_cache, v_cache = kv_cache
+    b, s = x.shape[:2]
+    if cache_lengths is None:
+      raise ShapeError("cache_lengths int[batch] is required with kv_cache")
+    if segment_ids is not None:
+      raise NotImplementedError("segment_ids with a KV cache are not supported; pack without a cache")
+    rows = cache_lengths[:, None] + jnp.arange(s, dtype=jnp.int32)  # [batch, seq]
+    bidx = jnp.arange(b)[:, None]
+    k_cache = k_cache.at[bidx, rows].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[bidx, rows].set(v.astype(v_cache.dtype), mode="drop")
+    o = self.attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
+                    q_offset=cache_lengths, kv_lengths=cache_lengths + s)
+    return self.project_out(o), (k_cache, v_cache)

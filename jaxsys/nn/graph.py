@@ -1,0 +1,149 @@
+"""Graph layers (Flax NNX): topology/global attention, GCN convolution, degree encoding.
+
+``GraphInputs`` bundles everything a layer needs to know about the graph (a pytree of device
+arrays, built on the host by ``graph_inputs``): edges (with self loops, sorted by receiver), the
+ECR split (dense tiles + leftover edges) when reformation is on, per-node degree (Graphormer's
+centrality encoding), graph ids (batched graphs) and the padding mask.
+
+Usage::
+
+  inputs = graph_inputs(ds.graph, reform_config=ReformConfig(64, 0.1))
+  layer = GraphAttention(64, num_heads=4, rngs=nnx.Rngs(0))
+  y = layer(x, inputs, mode="reformed")            # or "sparse" / "dense" / "block"
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jraph
+import numpy as np
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.graphs.blocks import ReformConfig, reform
+from jaxsys.graphs.dataset import check_graph, degrees
+from jaxsys.graphs.padding import node_mask as padding_node_mask
+from jaxsys.ops.graph_attention import GraphTiles, graph_attention
+
+
+class GraphInputs(NamedTuple):
+  """Device-side graph structure. Optional fields are None when unused."""
+  senders: jax.Array  # int32 [E'] (self loops included)
+  receivers: jax.Array  # int32 [E'] sorted
+  degree: jax.Array  # int32 [N] degree without self loops
+  node_mask: jax.Array  # bool [N] real nodes
+  graph_ids: jax.Array  # int32 [N] graph of each node (0 for a single graph)
+  n_node: jax.Array  # int32 [G] nodes per graph (its static length is the graph count)
+  tiles: GraphTiles | None = None  # ECR dense tiles
+  rest_senders: jax.Array | None = None  # ECR leftover edges
+  rest_receivers: jax.Array | None = None
+
+  @property
+  def num_nodes(self) -> int:
+    return int(self.degree.shape[0])
+
+
+def graph_inputs(graph: jraph.GraphsTuple, *, self_loops: bool = True,
+                 reform_config: ReformConfig | None = None, padded: bool = False) -> GraphInputs:
+  """Builds ``GraphInputs`` on the host from a (possibly padded / batched) ``GraphsTuple``.
+
+  ``self_loops`` appends one self loop per node (the input must have none -- jaxsys datasets
+  never do); shapes stay static: ``E' = E + N``. ``padded``: the last graph is jraph-style
+  padding (``pad_graph``), its nodes are masked out of dense attention.
+  """
+  n = check_graph(graph)
+  n_node = np.asarray(graph.n_node)
+  if n_node.sum() != n:
+    raise ShapeError(f"graph.n_node sums to {int(n_node.sum())} but graph.nodes has {n} rows")
+  mask = padding_node_mask(graph) if padded else np.ones(n, bool)
+  s, r = np.asarray(graph.senders, np.int32), np.asarray(graph.receivers, np.int32)
+  real_edge = mask[r]
+  if self_loops and np.any((s == r) & real_edge):
+    raise InputError("graph already has self loops on real nodes; pass self_loops=False")
+  deg = degrees(r[real_edge & (s != r)], n)
+  if self_loops:
+    ids = np.arange(n, dtype=np.int32)
+    s, r = np.concatenate([s, ids]), np.concatenate([r, ids])
+  order = np.lexsort((s, r))
+  s, r = s[order], r[order]
+  graph_ids = np.repeat(np.arange(n_node.size, dtype=np.int32), n_node)
+  tiles = rest_s = rest_r = None
+  if reform_config is not None:
+    rg = reform(s, r, n, reform_config)
+    tiles = GraphTiles.from_reformed(rg)
+    rest_s, rest_r = jnp.asarray(rg.senders), jnp.asarray(rg.receivers)
+  return GraphInputs(jnp.asarray(s), jnp.asarray(r), jnp.asarray(deg), jnp.asarray(mask),
+                     jnp.asarray(graph_ids), jnp.asarray(n_node, jnp.int32), tiles, rest_s, rest_r)
+
+
+class GraphAttention(nnx.Module):
+  """Multi-head attention over a graph: q/k/v projections, ``graph_attention``, output projection.
+
+  ``mode`` (per call): "sparse" (topology, equation (1) of ``jaxsys.ops.graph_attention``),
+  "reformed" (same result via dense tiles + edges), "block" (tiles only), "dense" (global,
+  within each graph, padding hidden).
+  """
+
+  def __init__(self, dim: int, num_heads: int, *, head_dim: int | None = None, impl: str = "auto",
+               rngs: nnx.Rngs):
+    if dim % num_heads and head_dim is None:
+      raise ConfigError(f"{dim=} must be divisible by {num_heads=} (or pass head_dim)")
+    self.num_heads = num_heads
+    self.head_dim = head_dim or dim // num_heads
+    self.impl = impl
+    inner = num_heads * self.head_dim
+    self.qkv = nnx.Linear(dim, 3 * inner, rngs=rngs)
+    self.out = nnx.Linear(inner, dim, rngs=rngs)
+
+  def __call__(self, x, inputs: GraphInputs, *, mode: str = "sparse", attention_fn=None):
+    n = x.shape[0]
+    qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)  # [nodes, 3, heads, dim]
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    if attention_fn is not None:  # e.g. a graph-parallel program
+      o = attention_fn(q, k, v, mode)
+    elif mode == "sparse":
+      o = graph_attention(q, k, v, mode="sparse", senders=inputs.senders, receivers=inputs.receivers,
+                          impl=self.impl, indices_are_sorted=True)
+    elif mode == "dense":
+      o = graph_attention(q, k, v, mode="dense", segment_ids=inputs.graph_ids,
+                          node_mask=inputs.node_mask, impl=self.impl)
+    elif mode in ("reformed", "block"):
+      o = graph_attention(q, k, v, mode=mode, tiles=inputs.tiles, senders=inputs.rest_senders,
+                          receivers=inputs.rest_receivers, impl=self.impl, indices_are_sorted=True)
+    else:
+      raise ConfigError(f"{mode=} must be 'sparse', 'reformed', 'block' or 'dense'")
+    return self.out(o.reshape(n, -1))
+
+
+class DegreeEncoding(nnx.Module):
+  """Graphormer centrality encoding: a learned vector per (clipped) node degree."""
+
+  def __init__(self, max_degree: int, dim: int, *, rngs: nnx.Rngs):
+    self.max_degree = max_degree
+    self.embed = nnx.Embed(max_degree + 1, dim, rngs=rngs)
+
+  def __call__(self, degree):
+    return self.embed(jnp.minimum(degree, self.max_degree))
+
+
+def gcn_norm(senders, receivers, num_nodes: int):
+  """Symmetric GCN edge weights ``1/sqrt(d_s d_r)`` (Kipf & Welling 2017), edges with self loops."""
+  deg = jax.ops.segment_sum(jnp.ones_like(receivers, jnp.float32), receivers, num_nodes)
+  inv = jnp.where(deg > 0, jax.lax.rsqrt(jnp.maximum(deg, 1.0)), 0.0)
+  return inv[senders] * inv[receivers]
+
+
+class GCNConv(nnx.Module):
+  """``H' = D^-1/2 (A + I) D^-1/2 H W`` (edges from ``GraphInputs`` already hold self loops)."""
+
+  def __init__(self, in_dim: int, out_dim: int, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(in_dim, out_dim, rngs=rngs)
+
+  def __call__(self, x, inputs: GraphInputs):
+    h = self.linear(x)
+    w = gcn_norm(inputs.senders, inputs.receivers, x.shape[0])
+    return jax.ops.segment_sum(h[inputs.senders] * w[:, None], inputs.receivers, x.shape[0],
+                               indices_are_sorted=True)

@@ -1,0 +1,200 @@
+"""Pallas backends of ``attention``: ``"pallas"`` (Triton on GPU, Mosaic on TPU) and
+``"pallas_interpret"`` (the same kernel interpreted on CPU, for tests).
+
+This wrapper compiles the mask to the kernel's block layout (``layout.py``), packs the visit
+tables, pads lengths / head_dim to the kernel's hardware-friendly sizes and calls
+``pallas_kernels.flash_attention``. Token masks are evaluated in-kernel from the lazy mask;
+``BlockSparse`` layouts become per-block bits, which needs each kernel tile to sit inside one
+layout cell (layout block sizes divisible by the kernel's) — otherwise ``NotImplementedError``
+(and ``impl="auto"`` falls back to ``xla``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsys.ops import masks as M
+from jaxsys.ops.attention import api
+from jaxsys.ops.attention import layout as layout_lib
+from jaxsys.ops.attention.common import AttentionArgs
+from pallas_kernels import flash_attention as fa
+
+BlockSizes = fa.BlockSizes
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _sparse_nodes(mask, out=None) -> list[M.BlockSparse]:
+  out = [] if out is None else out
+  if isinstance(mask, M.BlockSparse):
+    out.append(mask)
+    if mask.token_mask is not None:
+      _sparse_nodes(mask.token_mask, out)
+  for child in getattr(mask, "masks", ()) if mask is not None else ():
+    _sparse_nodes(child, out)
+  return out
+
+
+def _visible_fn(mask, nodes):
+  """``(qi, qpos, ki, head, bits) -> bool``: the mask with BlockSparse layouts read from bits."""
+  ids = {id(n): t for t, n in enumerate(nodes)}
+
+  def ev(m, qi, qpos, ki, head, bits):
+    if isinstance(m, M.BlockSparse):
+      vis = ((bits >> ids[id(m)]) & 1) == 1
+      if m.token_mask is not None:
+        vis = vis & ev(m.token_mask, qi, qpos, ki, head, bits)
+      return vis
+    if isinstance(m, (M.Or, M.And)):
+      out = ev(m.masks[0], qi, qpos, ki, head, bits)
+      for c in m.masks[1:]:
+        nxt = ev(c, qi, qpos, ki, head, bits)
+        out = (out | nxt) if isinstance(m, M.Or) else (out & nxt)
+      return out
+    if isinstance(m, M.MultiHead):
+      out = jnp.zeros(jnp.broadcast_shapes(qi.shape, ki.shape), bool)
+      for h, c in enumerate(m.masks):
+        out = out | ((head == h) & ev(c, qi, qpos, ki, head, bits))
+      return out
+    return m.visible(qi, qpos, ki, None)
+
+  def fn(qi, qpos, ki, head, bits):
+    if mask is None:
+      return jnp.ones(jnp.broadcast_shapes(qi.shape, ki.shape), bool)
+    return ev(mask, qi, qpos, ki, head, bits)
+  return fn
+
+
+def _choose_blocks(bs: fa.BlockSizes, tq, tk, nodes, backend):
+  bq = min(bs.block_q, max(16, _next_pow2(tq)))
+  bk = min(bs.block_k, max(16, _next_pow2(tk)))
+  for n in nodes:  # each kernel tile must sit inside one layout cell
+    bq = math.gcd(bq, n.block_q)
+    bk = math.gcd(bk, n.block_k)
+  if backend == "triton" and (bq < 16 or bk < 16):
+    raise NotImplementedError(
+        f"BlockSparse block sizes need a common power-of-two tile >= 16 (got block_q={bq}, "
+        f"block_k={bk})")
+  return bq, bk
+
+
+def _pack(cls_tables, bits, visits_pad=None):
+  """``(idx, cls, cnt)`` + bits -> int32 ``[Ht, n, W]`` rows ``[cnt, idx[V], cls[V], bits[V]]``."""
+  idx, cls, cnt = cls_tables
+  ht, n, v = idx.shape
+  w = _next_pow2(1 + 3 * v)
+  tab = np.zeros((ht, n, w), np.int32)
+  tab[..., 0] = cnt
+  tab[..., 1:1 + v] = idx
+  tab[..., 1 + v:1 + 2 * v] = cls
+  tab[..., 1 + 2 * v:1 + 3 * v] = bits
+  return tab, v
+
+
+def _block_bits(nodes, lay: layout_lib.BlockLayout, heads, transposed):
+  """int32 ``[Ht, n, nk or nq]`` bit t = layout of BlockSparse node t at each kernel block."""
+  nq, nk = lay.num_q_blocks, lay.num_k_blocks
+  ht = lay.cls.shape[0]
+  bits = np.zeros((ht, nq, nk), np.int64)
+  qb = np.arange(nq) * lay.block_q
+  kb = np.arange(nk) * lay.block_k
+  for t, n in enumerate(nodes):
+    L = n.layout
+    a = np.clip(qb // n.block_q, 0, L.shape[1] - 1)
+    c = np.clip(kb // n.block_k, 0, L.shape[2] - 1)
+    val = L[:, a][:, :, c].astype(np.int64)                    # [H_n, nq, nk]
+    if val.shape[0] != ht:
+      val = np.broadcast_to(val[:1] if ht == 1 else val, (ht, nq, nk))
+    bits |= val << t
+  return np.swapaxes(bits, 1, 2) if transposed else bits
+
+
+def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = None, *,
+                     backend: str = "triton", interpret: bool = False, num_warps: int = 4,
+                     num_stages: int = 2):
+  """``(out [b, q, h, dv], lse [b, h, q])`` via the Pallas kernel."""
+  bs = block_sizes or fa.BlockSizes()
+  q, k, v = args.q, args.k, args.v
+  b, tq, h, d = q.shape
+  tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  nodes = _sparse_nodes(args.mask)
+  if len(nodes) > 31:
+    raise NotImplementedError(f"at most 31 BlockSparse masks per call, got {len(nodes)}")
+  bq, bk = _choose_blocks(bs, tq, tk, nodes, backend)
+  lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
+                                  block_k=bk, q_offset=args.static_offset)
+  cls = lay.cls
+  if args.q_segment_ids is not None or args.kv_lengths is not None:
+    cls = np.where(cls == layout_lib.FULL, layout_lib.PARTIAL, cls).astype(np.int8)
+  lay = layout_lib.BlockLayout(cls, bq, bk, tq, tk)
+  tables, tables_t = lay.tables, lay.transposed_tables
+  bits = _block_bits(nodes, lay, h, False)
+  bits_g = np.take_along_axis(np.broadcast_to(bits, (cls.shape[0], *bits.shape[1:])),
+                              tables[0], axis=-1)
+  bits_t = np.take_along_axis(np.swapaxes(bits, 1, 2), tables_t[0], axis=-1)
+  tab, v_fwd = _pack(tables, bits_g)
+  tab_t, v_bwd = _pack(tables_t, bits_t)
+
+  def padded(length, blk):
+    n = -(-length // blk)
+    return blk * (_next_pow2(n) if backend == "triton" else n)
+
+  tq_p, tk_p = padded(tq, bq), padded(tk, bk)
+  # Padding rows of the tables (beyond the real block count) visit nothing.
+  tab = _pad_rows(tab, tq_p // bq)
+  tab_t = _pad_rows(tab_t, tk_p // bk)
+  d_p = max(16, _next_pow2(d)) if backend == "triton" else d
+  dv_p = max(16, _next_pow2(dv)) if backend == "triton" else dv
+  cfg = fa.KernelConfig(heads=h, kv_heads=hk, table_heads=cls.shape[0], visits=v_fwd,
+                        visits_t=v_bwd, block_q=bq, block_k=bk, scale=args.scale, q_len=tq,
+                        kv_len=tk, visible_fn=_visible_fn(args.mask, nodes), backend=backend,
+                        interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+
+  def prep(x, length, dim):  # [b, t, heads, d] -> [b, heads, T, D] zero padded
+    x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[-1])))
+    return x.transpose(0, 2, 1, 3)
+
+  qp, kp, vp = prep(q, tq_p, d_p), prep(k, tk_p, d_p), prep(v, tk_p, dv_p)
+  if args.q_segment_ids is not None:
+    qseg = jnp.pad(args.q_segment_ids, ((0, 0), (0, tq_p - tq)), constant_values=-1)
+    kseg = jnp.pad(args.kv_segment_ids, ((0, 0), (0, tk_p - tk)), constant_values=-2)
+  else:
+    qseg = jnp.zeros((b, tq_p), jnp.int32)
+    kseg = jnp.zeros((b, tk_p), jnp.int32)
+  off = args.q_offset
+  off = jnp.full((b,), off, jnp.int32) if isinstance(off, int) else off.astype(jnp.int32)
+  lens = jnp.full((b,), tk, jnp.int32) if args.kv_lengths is None else args.kv_lengths
+  scal = jnp.stack([off, lens.astype(jnp.int32)], axis=1)            # [b, 2]
+  out, lse = fa.flash_attention(cfg, jnp.asarray(tab), jnp.asarray(tab_t), scal, qp, kp, vp,
+                                qseg[:, :, None], kseg[:, None, :])
+  out = out.transpose(0, 2, 1, 3)[:, :tq, :, :dv]                     # [b, q, h, dv]
+  return out, lse[:, :, :tq, 0]
+
+
+def _pad_rows(tab, n):
+  if tab.shape[1] >= n:
+    return tab
+  pad = np.zeros((tab.shape[0], n - tab.shape[1], tab.shape[2]), np.int32)
+  return np.concatenate([tab, pad], axis=1)
+
+
+@api.register("pallas")
+def _pallas(args: AttentionArgs):
+  platform = jax.default_backend()
+  if platform == "gpu":
+    return pallas_attention(args, backend="triton")
+  if platform == "tpu":
+    return pallas_attention(args, backend="mosaic")
+  raise NotImplementedError(f"compiled Pallas attention needs a GPU or TPU (backend is "
+                            f"{platform!r}); use impl='pallas_interpret' or 'xla'")
+
+
+@api.register("pallas_interpret")
+def _pallas_interpret(args: AttentionArgs):
+  return pallas_attention(args, backend="triton", interpret=True)

@@ -1,0 +1,355 @@
+"""Blockwise (flash-style) attention in pure JAX: the fast path on CPU.
+
+Online softmax over key blocks (Milakov & Gimelshein 2018; Dao et al. 2022, Alg. 1): for each
+query block ``i`` and each *visited* key block ``j`` (from the static layout tables of
+``layout.py``)::
+
+    s = (scale * q_i) k_j^T,  m' = max(m, rowmax s),  p = exp(s - m'),
+    l' = l e^{m - m'} + rowsum p,  acc' = acc e^{m - m'} + p v_j,   out_i = acc / l,  lse = m + log l
+
+Only visited blocks are gathered and computed, so a 10%-dense layout costs ~10% of dense; memory
+is linear in length (one ``[block_q, block_k]`` tile per head live at a time). Statistics and
+accumulators are float32 whatever the input dtype; rows that see no key give zeros and
+``lse = -inf``. GQA groups query heads per kv head, so K/V are never repeated.
+
+Gradients (``jax.custom_vjp``) recompute ``p = exp(s - lse)`` per visited block (FlashAttention
+backward): ``dv += p^T dO``, ``ds = p * (dO v^T - rowsum(dO * out))``, ``dq += ds k``,
+``dk += ds^T q``; dk/dv are accumulated in place at the visited block ids, so the backward visits
+exactly the forward's blocks.
+
+Each visit picks one of three branches with ``lax.switch``: skip (no head sees the block, e.g.
+disjoint packed segments or padding), full (no token mask: the common case) or partial (token
+mask evaluated from the lazy mask, segments, ``kv_lengths`` and padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.ops.attention import api
+from jaxsys.ops.attention import layout as layout_lib
+from jaxsys.ops.attention.common import AttentionArgs
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Query / key tile sizes; clipped to the (8-rounded) lengths for short inputs."""
+  block_q: int = 512
+  block_k: int = 512
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive int")
+
+  def for_lengths(self, q_len: int, kv_len: int) -> tuple[int, int]:
+    return min(self.block_q, _round_up(q_len, 8)), min(self.block_k, _round_up(kv_len, 8))
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+  """Static description of one call: shapes, layout tables, mask."""
+  args: AttentionArgs           # only static fields are read inside the loops
+  b: int
+  tq: int
+  tk: int
+  h: int
+  hk: int
+  d: int
+  dv: int
+  bq: int
+  bk: int
+  nq: int
+  nk: int
+  ht: int                        # table heads: 1 (shared) or h
+  idx: np.ndarray                # int32[ht, nq, V]
+  cls: np.ndarray                # int8[ht, nq, V]
+  trips: np.ndarray              # int32[nq]: visits of the busiest head per q block
+
+  @property
+  def g(self) -> int:
+    return self.h // self.hk
+
+
+def blockwise_attention(args: AttentionArgs, block_sizes: BlockSizes | None = None):
+  """``(out [b, q, h, dv] in q.dtype, lse [b, h, q] f32)`` visiting only non-empty blocks."""
+  block_sizes = block_sizes or BlockSizes()
+  q, k, v = args.q, args.k, args.v
+  b, tq, h, d = q.shape
+  tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  bq, bk = block_sizes.for_lengths(tq, tk)
+  lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
+                                  block_k=bk, q_offset=args.static_offset)
+  idx, cls, cnt = lay.tables
+  plan = _Plan(args, b, tq, tk, h, hk, d, dv, bq, bk, lay.num_q_blocks, lay.num_k_blocks,
+               idx.shape[0], idx, cls, cnt.max(0).astype(np.int32))
+  aux = _dynamic_classes(plan)
+  out, lse = _attention(plan, q, k, v, aux)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------- dynamic classes
+
+
+def _dynamic_classes(plan: _Plan):
+  """Refines static classes with traced inputs; returns ``{"cls", "branch", ...}`` arrays.
+
+  ``cls [B', ht, nq, V]`` (B' = 1 or batch) and ``branch [nq, V]``: 0 skip / 1 full / 2 partial
+  for the whole (batch, head) tile of a visit.
+  """
+  a = plan.args
+  cls = jnp.asarray(plan.cls)[None]                            # [1, ht, nq, V]
+  kb0 = jnp.asarray(plan.idx) * plan.bk                        # first key of each visited block
+  if a.kv_lengths is not None:
+    lens = a.kv_lengths[:, None, None, None]
+    beyond = kb0[None] >= lens                                 # block entirely past the length
+    cut = kb0[None] + plan.bk > lens                           # block straddles the length
+    cls = jnp.where(beyond, 0, jnp.where(cut & (cls == 1), 2, cls))
+  if a.q_segment_ids is not None:
+    qlo, qhi = _block_range(a.q_segment_ids, plan.bq, plan.nq, plan.tq)  # [b, nq]
+    klo, khi = _block_range(a.kv_segment_ids, plan.bk, plan.nk, plan.tk)  # [b, nk]
+    klo_v = jnp.take(klo, jnp.asarray(plan.idx), axis=1)       # [b, ht, nq, V]
+    khi_v = jnp.take(khi, jnp.asarray(plan.idx), axis=1)
+    ql, qh = qlo[:, None, :, None], qhi[:, None, :, None]
+    disjoint = (qh < klo_v) | (khi_v < ql)
+    single = (ql == qh) & (klo_v == khi_v) & (ql == klo_v)
+    cls = jnp.where(disjoint, 0, jnp.where(single, cls, jnp.where(cls == 1, 2, cls)))
+  cls = cls.astype(jnp.int8)
+  all0 = jnp.all(cls == 0, axis=(0, 1))
+  all1 = jnp.all(cls == 1, axis=(0, 1))
+  branch = jnp.where(all0, 0, jnp.where(all1, 1, 2)).astype(jnp.int32)
+  return {"cls": cls, "branch": branch}
+
+
+def _block_range(seg, block, n, length):
+  """Min / max segment id of each block's real tokens: ``[b, n]`` each."""
+  pad = n * block - length
+  lo = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).max)
+  hi = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).min)
+  return (lo.reshape(seg.shape[0], n, block).min(-1), hi.reshape(seg.shape[0], n, block).max(-1))
+
+
+# ----------------------------------------------------------------------------- layout helpers
+
+
+def _to_blocks(plan: _Plan, q, k, v):
+  """Pads and reshapes to tiles (f32, q pre-scaled).
+
+  q -> ``[nq, b, hk, g, bq, d]`` (scanned over), k/v -> ``[b, hk, nk, bk, d]`` (gathered).
+  """
+  p = plan
+  qf = jnp.pad(q.astype(_F32) * p.args.scale, ((0, 0), (0, p.nq * p.bq - p.tq), (0, 0), (0, 0)))
+  qf = qf.reshape(p.b, p.nq, p.bq, p.hk, p.g, p.d).transpose(1, 0, 3, 4, 2, 5)
+  def kv(x):
+    x = jnp.pad(x.astype(_F32), ((0, 0), (0, p.nk * p.bk - p.tk), (0, 0), (0, 0)))
+    return x.reshape(p.b, p.nk, p.bk, p.hk, x.shape[-1]).transpose(0, 3, 1, 2, 4)
+  return qf, kv(k), kv(v)
+
+
+def _gather(plan: _Plan, x, kb):
+  """Key tile(s) ``kb`` of ``x [b, hk, nk, bk, d]``: ``[b, hk, bk, d]`` (shared table) or
+  ``[b, hk, g, bk, d]`` (per-head table, ``kb [h]``)."""
+  if plan.ht == 1:
+    return lax.dynamic_index_in_dim(x, kb[0], axis=2, keepdims=False)
+  kb = kb.reshape(plan.hk, plan.g)
+  return x[:, jnp.arange(plan.hk)[:, None], kb]
+
+
+def _scores(plan: _Plan, qb, kt):
+  """``[b, hk, g, bq, bk]`` f32 logits of q tile ``[b, hk, g, bq, d]`` against key tile(s)."""
+  if plan.ht == 1:
+    return jnp.einsum("bhgqd,bhkd->bhgqk", qb, kt, preferred_element_type=_F32)
+  return jnp.einsum("bhgqd,bhgkd->bhgqk", qb, kt, preferred_element_type=_F32)
+
+
+def _pv(plan: _Plan, p, vt):
+  if plan.ht == 1:
+    return jnp.einsum("bhgqk,bhkd->bhgqd", p, vt, preferred_element_type=_F32)
+  return jnp.einsum("bhgqk,bhgkd->bhgqd", p, vt, preferred_element_type=_F32)
+
+
+def _visible(plan: _Plan, aux, i, j, kb):
+  """Token visibility ``bool[b|1, hk, g|1, bq, bk]`` of visit ``j`` of q block ``i``."""
+  a, p = plan.args, plan
+  q_idx = i * p.bq + jnp.arange(p.bq)                                # [bq]
+  k_idx = kb[:, None] * p.bk + jnp.arange(p.bk)[None, :]             # [ht, bk]
+  qi = q_idx[None, None, :, None]
+  ki = k_idx[None, :, None, :]                                       # [1, ht, 1, bk]
+  qp = qi + (a.q_offset if isinstance(a.q_offset, int) else a.q_offset[:, None, None, None])
+  vis = (ki < p.tk) & (qi < p.tq)
+  if a.mask is not None:
+    head = jnp.arange(p.h)[None, :, None, None] if a.mask.num_heads is not None else None
+    vis = vis & a.mask.visible(qi, qp, ki, head)
+  if a.q_segment_ids is not None:
+    qs = jnp.take(a.q_segment_ids, q_idx, axis=1, mode="fill", fill_value=-1)   # [b, bq]
+    ks = jnp.take(a.kv_segment_ids, k_idx, axis=1, mode="fill", fill_value=-2)  # [b, ht, bk]
+    vis = vis & (qs[:, None, :, None] == ks[:, :, None, :])
+  if a.kv_lengths is not None:
+    vis = vis & (ki < a.kv_lengths[:, None, None, None])
+  c = lax.dynamic_index_in_dim(lax.dynamic_index_in_dim(aux["cls"], i, 2, False), j, 2, False)
+  vis = vis & (c != 0)[:, :, None, None]                             # padding slots / skipped heads
+  bb, hh = vis.shape[:2]
+  if hh == p.h:
+    return vis.reshape(bb, p.hk, p.g, p.bq, p.bk)
+  return vis.reshape(bb, 1, 1, p.bq, p.bk)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward(plan: _Plan, q, k, v, aux):
+  p = plan
+  qt, kt, vt = _to_blocks(p, q, k, v)
+  idx = jnp.asarray(p.idx)
+  trips = jnp.asarray(p.trips)
+
+  def q_block(_, xs):
+    i, qb = xs                                                       # qb [b, hk, g, bq, d]
+    m0 = jnp.full((p.b, p.hk, p.g, p.bq), -jnp.inf, _F32)
+    l0 = jnp.zeros((p.b, p.hk, p.g, p.bq), _F32)
+    acc0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.dv), _F32)
+
+    def visit(j, carry):
+      kb = idx[:, i, j]                                              # [ht]
+      def full(carry):
+        return _online_update(p, carry, _scores(p, qb, _gather(p, kt, kb)), _gather(p, vt, kb))
+      def partial(carry):
+        s = jnp.where(_visible(p, aux, i, j, kb), _scores(p, qb, _gather(p, kt, kb)), -jnp.inf)
+        return _online_update(p, carry, s, _gather(p, vt, kb))
+      return lax.switch(aux["branch"][i, j], (lambda c: c, full, partial), carry)
+
+    m, l, acc = lax.fori_loop(0, trips[i], visit, (m0, l0, acc0))
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = acc / l_safe[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+    return None, (out, lse)
+
+  _, (out, lse) = lax.scan(q_block, None, (jnp.arange(p.nq), qt))
+  # out [nq, b, hk, g, bq, dv] -> [b, tq, h, dv];  lse [nq, b, hk, g, bq] -> [b, h, tq]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(p.b, p.nq * p.bq, p.h, p.dv)[:, :p.tq]
+  lse = lse.transpose(1, 2, 3, 0, 4).reshape(p.b, p.h, p.nq * p.bq)[:, :, :p.tq]
+  return out, lse
+
+
+def _online_update(plan, carry, s, vb):
+  """One online-softmax step; ``s`` may hold -inf (masked) entries, rows may be all -inf."""
+  m, l, acc = carry
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                 # all-masked rows stay finite
+  pr = jnp.exp(s - m_safe[..., None])
+  corr = jnp.exp(m - m_safe)
+  l = l * corr + jnp.sum(pr, axis=-1)
+  acc = acc * corr[..., None] + _pv(plan, pr, vb)
+  return m_new, l, acc
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward(plan: _Plan, q, k, v, aux, out, lse, dout, dlse):
+  p = plan
+  qt, kt, vt = _to_blocks(p, q, k, v)
+  idx = jnp.asarray(p.idx)
+  trips = jnp.asarray(p.trips)
+
+  def rows(x, last):  # [b, tq, h, last] -> [nq, b, hk, g, bq, last]
+    x = jnp.pad(x.astype(_F32), ((0, 0), (0, p.nq * p.bq - p.tq), (0, 0), (0, 0)))
+    return x.reshape(p.b, p.nq, p.bq, p.hk, p.g, last).transpose(1, 0, 3, 4, 2, 5)
+
+  do_t = rows(dout, p.dv)
+  delta = jnp.sum(do_t * rows(out, p.dv), axis=-1)                   # [nq, b, hk, g, bq]
+  dlse = jnp.pad(dlse.astype(_F32), ((0, 0), (0, 0), (0, p.nq * p.bq - p.tq)))
+  delta = delta - dlse.reshape(p.b, p.hk, p.g, p.nq, p.bq).transpose(3, 0, 1, 2, 4)
+  lse_t = jnp.pad(lse, ((0, 0), (0, 0), (0, p.nq * p.bq - p.tq)), constant_values=-jnp.inf)
+  lse_t = lse_t.reshape(p.b, p.hk, p.g, p.nq, p.bq).transpose(3, 0, 1, 2, 4)
+  lse_t = jnp.where(jnp.isfinite(lse_t), lse_t, jnp.inf)             # rows seeing nothing: p = 0
+  acc_shape = (p.b, p.hk, p.nk, p.bk) if p.ht == 1 else (p.b, p.hk, p.g, p.nk, p.bk)
+  dk0 = jnp.zeros(acc_shape + (p.d,), _F32)
+  dv0 = jnp.zeros(acc_shape + (p.dv,), _F32)
+
+  def q_block(carry, xs):
+    i, qb, dob, lb, db = xs
+
+    def visit(j, c):
+      kb = idx[:, i, j]
+      def compute(c, masked):
+        dq, dk, dv = c
+        kblk, vblk = _gather(p, kt, kb), _gather(p, vt, kb)
+        pr = jnp.exp(_scores(p, qb, kblk) - lb[..., None])           # [b, hk, g, bq, bk]
+        if masked:
+          pr = jnp.where(_visible(p, aux, i, j, kb), pr, 0.0)
+        dp = _scores(p, dob, vblk)                                   # dO v^T
+        ds = pr * (dp - db[..., None])
+        dq = dq + _pv(p, ds, kblk)
+        if p.ht == 1:
+          dv_b = jnp.einsum("bhgqk,bhgqd->bhkd", pr, dob, preferred_element_type=_F32)
+          dk_b = jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=_F32)
+        else:
+          dv_b = jnp.einsum("bhgqk,bhgqd->bhgkd", pr, dob, preferred_element_type=_F32)
+          dk_b = jnp.einsum("bhgqk,bhgqd->bhgkd", ds, qb, preferred_element_type=_F32)
+        return dq, _scatter_add(p, dk, kb, dk_b), _scatter_add(p, dv, kb, dv_b)
+      return lax.switch(aux["branch"][i, j], (lambda c: c, lambda c: compute(c, False),
+                                              lambda c: compute(c, True)), c)
+
+    dk, dv = carry
+    dq0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.d), _F32)
+    dq, dk, dv = lax.fori_loop(0, trips[i], visit, (dq0, dk, dv))
+    return (dk, dv), dq
+
+  (dk, dv), dq = lax.scan(q_block, (dk0, dv0), (jnp.arange(p.nq), qt, do_t, lse_t, delta))
+  dq = (dq * p.args.scale).transpose(1, 0, 4, 2, 3, 5).reshape(p.b, p.nq * p.bq, p.h, p.d)
+  dq = dq[:, :p.tq]
+  if p.ht != 1:  # per-query-head accumulators -> kv heads
+    dk, dv = dk.sum(2), dv.sum(2)
+  dk = dk.transpose(0, 2, 3, 1, 4).reshape(p.b, p.nk * p.bk, p.hk, p.d)[:, :p.tk]
+  dv = dv.transpose(0, 2, 3, 1, 4).reshape(p.b, p.nk * p.bk, p.hk, p.dv)[:, :p.tk]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _scatter_add(plan: _Plan, acc, kb, blk):
+  if plan.ht == 1:
+    cur = lax.dynamic_index_in_dim(acc, kb[0], axis=2, keepdims=False)
+    return lax.dynamic_update_index_in_dim(acc, cur + blk, kb[0], axis=2)
+  kb = kb.reshape(plan.hk, plan.g)
+  return acc.at[:, jnp.arange(plan.hk)[:, None], jnp.arange(plan.g)[None, :], kb].add(blk)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+def _attention(plan: _Plan, q, k, v, aux):
+  @jax.custom_vjp
+  def attn(q, k, v):
+    out, lse = _forward(plan, q, k, v, aux)
+    return out.astype(q.dtype), lse
+
+  def fwd(q, k, v):
+    out, lse = _forward(plan, q, k, v, aux)
+    out = out.astype(q.dtype)
+    return (out, lse), (q, k, v, out, lse)
+
+  def bwd(res, cts):
+    q, k, v, out, lse = res
+    dout, dlse = cts  # d lse / d s = p, so dlse folds into delta: ds = p (dp - delta + dlse)
+    return _backward(plan, q, k, v, aux, out, lse, dout, dlse)
+
+  attn.defvjp(fwd, bwd)
+  return attn(q, k, v)
+
+
+if __name__.endswith(".xla"):  # the development copy must not shadow the registered backend
+  api.register("xla")(blockwise_attention)

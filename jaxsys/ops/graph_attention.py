@@ -1,0 +1,419 @@
+"""Graph attention: sparse (edge), dense, block (tiles) and reformed (tiles + edges) paths.
+
+All paths compute, for every query node ``i`` and head ``h``,
+
+  out[i, h] = sum_{j in N(i)} softmax_j(q[i, h] . k[j, h] * scale) v[j, h]        (1)
+
+over the in-neighbours ``N(i) = {s : (s -> i) is an edge}`` (TorchGT's topology attention), or
+over all nodes of the same graph for dense (global) attention. Nodes without neighbours output
+zeros and get ``lse = -inf``. Layout: ``q, k, v [nodes, heads, head_dim]`` (one node set, no
+batch axis; batched small graphs use ``segment_ids``).
+
+* ``sparse_graph_attention``: gathers per edge and a max-subtracted segment softmax; its VJP is
+  written flash-attention style (recomputes the edge probabilities from the saved per-node
+  log-sum-exp instead of storing ``[edges, heads]`` intermediates of the forward).
+* ``tile_graph_attention``: dense ``block x block`` tiles of a reordered adjacency (ECR dense
+  blocks); the adjacency inside a tile is a token-level mask (bits). ``impl="attention_op"``
+  routes the tiles through ``jaxsys.ops.attention`` with a ``BlockSparse`` mask whose token mask
+  is the adjacency (``AdjacencyMask``); the default computes the tiles as batched matmuls.
+* ``reformed_graph_attention``: tiles + leftover edges merged with the log-sum-exp rule
+  ``lse = logaddexp(lse_a, lse_b)``, ``out = e^{lse_a - lse} out_a + e^{lse_b - lse} out_b``.
+* ``dense_graph_attention``: full attention via ``jaxsys.ops.attention`` (``segment_ids`` keep
+  graphs / padding apart).
+
+``graph_attention`` dispatches on ``mode``; each op dispatches on ``impl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.ops import masks as masks_lib
+
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+MODES = ("sparse", "dense", "block", "reformed")
+
+
+# ----------------------------------------------------------------------------- segment softmax
+
+def segment_softmax(logits, segment_ids, num_segments: int, *, indices_are_sorted: bool = False):
+  """Softmax of ``logits [E, ...]`` within segments, max-subtracted (stable for any logits).
+
+  ``-inf`` logits get probability 0; a segment whose logits are all ``-inf`` gets zeros.
+  """
+  m = jax.ops.segment_max(logits, segment_ids, num_segments, indices_are_sorted=indices_are_sorted)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))  # softmax is shift invariant
+  e = jnp.exp(logits - m[segment_ids])
+  z = jax.ops.segment_sum(e, segment_ids, num_segments, indices_are_sorted=indices_are_sorted)
+  return e / jnp.where(z > 0, z, 1.0)[segment_ids]
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check_qkv(q, k, v):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 3:
+      raise ShapeError(f"{name} must be [nodes, heads, head_dim], got shape {getattr(x, 'shape', None)}")
+  if k.shape != v.shape[:2] + (k.shape[2],) or k.shape[:2] != v.shape[:2]:
+    raise ShapeError(f"k {k.shape} and v {v.shape} must share [nodes, heads]")
+  if q.shape[1:] != k.shape[1:] or q.shape[0] != k.shape[0]:
+    raise ShapeError(f"q {q.shape} and k {k.shape} must share [nodes, heads, head_dim] (self-attention over one node set)")
+
+
+def _check_edge_index(senders, receivers, num_nodes):
+  if senders.ndim != 1 or senders.shape != receivers.shape:
+    raise ShapeError(f"senders {senders.shape} and receivers {receivers.shape} must be 1-D of equal length")
+  if not (jnp.issubdtype(senders.dtype, jnp.integer) and jnp.issubdtype(receivers.dtype, jnp.integer)):
+    raise ShapeError(f"senders/receivers must be integer arrays, got {senders.dtype}, {receivers.dtype}")
+  for name, x in (("senders", senders), ("receivers", receivers)):
+    if isinstance(x, jax.core.Tracer) or x.size == 0:
+      continue
+    lo, hi = int(jnp.min(x)), int(jnp.max(x))
+    if lo < 0 or hi >= num_nodes:
+      raise InputError(f"{name} must lie in [0, num_nodes={num_nodes}), got range [{lo}, {hi}]")
+
+
+def _impl(impl):
+  if impl not in IMPLS:
+    raise ConfigError(f"{impl=} must be one of {IMPLS}")
+  return "xla" if impl == "auto" and jax.default_backend() == "cpu" else impl
+
+
+def _scale(scale, d):
+  return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------------------- sparse (edges)
+
+def _edge_logits(q, k, senders, receivers, scale):
+  # [edges, heads]: q_r . k_s (the gathers fuse into the reduction)
+  qe = q[receivers].astype(jnp.float32)
+  ke = k[senders].astype(jnp.float32)
+  return jnp.sum(qe * ke, axis=-1) * scale
+
+
+def _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_):
+  n = q.shape[0]
+  s = _edge_logits(q, k, senders, receivers, scale)  # [E, H]
+  m = jax.ops.segment_max(s, receivers, n, indices_are_sorted=sorted_)  # [N, H]
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m[receivers])  # [E, H]
+  l = jax.ops.segment_sum(p, receivers, n, indices_are_sorted=sorted_)  # [N, H]
+  o = jax.ops.segment_sum(p[..., None] * v[senders].astype(jnp.float32), receivers, n,
+                          indices_are_sorted=sorted_)  # [N, H, D]
+  safe_l = jnp.where(l > 0, l, 1.0)
+  out = o / safe_l[..., None]
+  lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+  return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _sparse_attention(q, k, v, senders, receivers, scale, sorted_):
+  return _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_)
+
+
+def _sparse_fwd(q, k, v, senders, receivers, scale, sorted_):
+  out, lse = _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_)
+  return (out, lse), (q, k, v, senders, receivers, out, lse)
+
+
+def _sparse_bwd(scale, sorted_, res, cts):
+  """Flash-style edge backward: p = exp(s - lse[r]); ds = p (dout_r . v_s - delta_r + dlse_r)."""
+  q, k, v, senders, receivers, out, lse = res
+  dout, dlse = cts
+  n = q.shape[0]
+  dout = dout.astype(jnp.float32)
+  s = _edge_logits(q, k, senders, receivers, scale)
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  p = jnp.exp(s - lse_safe[receivers])  # [E, H]
+  delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [N, H]
+  dout_e = dout[receivers]  # [E, H, D]
+  dp = jnp.sum(dout_e * v[senders].astype(jnp.float32), axis=-1)  # [E, H]
+  ds = p * (dp - delta[receivers] + dlse[receivers]) * scale  # [E, H]
+  dv = jax.ops.segment_sum(p[..., None] * dout_e, senders, n)
+  dq = jax.ops.segment_sum(ds[..., None] * k[senders].astype(jnp.float32), receivers, n,
+                           indices_are_sorted=sorted_)
+  dk = jax.ops.segment_sum(ds[..., None] * q[receivers].astype(jnp.float32), senders, n)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
+
+
+_sparse_attention.defvjp(_sparse_fwd, _sparse_bwd)
+
+
+def sparse_graph_attention(q, k, v, senders, receivers, *, scale=None, impl: str = "auto",
+                           return_lse: bool = False, indices_are_sorted: bool = False):
+  """Attention over edges, equation (1): query ``receivers[e]`` reads key ``senders[e]``.
+
+  Args:
+    q, k, v: ``[nodes, heads, head_dim]``.
+    senders, receivers: ``int[edges]`` in ``[0, nodes)`` (checked outside jit).
+    indices_are_sorted: receivers are sorted (true for ``jaxsys.graphs`` datasets).
+  Returns ``out [nodes, heads, head_dim]`` (and float32 ``lse [nodes, heads]``).
+  """
+  _check_qkv(q, k, v)
+  senders, receivers = jnp.asarray(senders), jnp.asarray(receivers)
+  _check_edge_index(senders, receivers, q.shape[0])
+  impl = _impl(impl)
+  if impl in ("pallas", "pallas_interpret"):
+    raise NotImplementedError(
+        "edge-level sparse attention has no Pallas kernel (gather/scatter bound); the Pallas "
+        "kernel serves the dense tiles of the block/reformed path")
+  out, lse = _sparse_attention(q, k, v, senders.astype(jnp.int32), receivers.astype(jnp.int32),
+                               _scale(scale, q.shape[-1]),
+                               bool(indices_are_sorted))
+  return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- tiles (blocks)
+
+class GraphTiles(NamedTuple):
+  """Dense tiles of a reordered adjacency (a pytree of device arrays).
+
+  ``rows``/``cols``: ``int32[T]`` query/key block of each tile, sorted by row;
+  ``bits``: ``bool[T, B, B]``, ``bits[t, i, j]`` = query ``rows[t]*B + i`` reads key
+  ``cols[t]*B + j``.
+  """
+  rows: jax.Array
+  cols: jax.Array
+  bits: jax.Array
+
+  @property
+  def block_size(self) -> int:
+    return int(self.bits.shape[-1])
+
+  @classmethod
+  def from_reformed(cls, reformed) -> "GraphTiles":
+    """From a ``jaxsys.graphs.ReformedGraph`` (host) to device arrays."""
+    return cls(jnp.asarray(reformed.rows, jnp.int32), jnp.asarray(reformed.cols, jnp.int32),
+               jnp.asarray(reformed.block_bits, bool))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdjacencyMask(masks_lib.Mask):
+  """Token mask ``A[q, k]`` stored as bits of visited tiles (a ``BlockSparse`` token mask).
+
+  ``tile_of[qb, kb]`` is the tile index of block ``(qb, kb)`` or -1; positions outside tiles are
+  invisible.
+  """
+  tile_of: np.ndarray  # int32 [nb, nb]
+  bits: np.ndarray  # bool [T, B, B]
+
+  @classmethod
+  def from_tiles(cls, rows, cols, bits, num_nodes: int) -> "AdjacencyMask":
+    bits = np.asarray(bits, bool)
+    b = bits.shape[-1]
+    nb = -(-num_nodes // b)
+    tile_of = np.full((nb, nb), -1, np.int32)
+    tile_of[np.asarray(rows), np.asarray(cols)] = np.arange(bits.shape[0], dtype=np.int32)
+    return cls(tile_of, bits)
+
+  def layout(self) -> np.ndarray:
+    return (self.tile_of >= 0)[None]
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    xp = masks_lib._xp(q_idx, k_idx)
+    b = self.bits.shape[-1]
+    nb = self.tile_of.shape[0]
+    tile_of = xp.asarray(self.tile_of)
+    qb, kb = xp.clip(q_idx // b, 0, nb - 1), xp.clip(k_idx // b, 0, nb - 1)
+    t = tile_of[qb, kb]
+    bit = xp.asarray(self.bits)[xp.maximum(t, 0), q_idx % b, k_idx % b]
+    return (t >= 0) & bit
+
+
+def _tile_partials_xla(qt, kt, vt, bits, scale):
+  """Per-tile masked attention: ``o [T, B, H, D]`` (normalised), ``lse [T, H, B]`` (float32)."""
+  s = jnp.einsum("tihd,tjhd->thij", qt.astype(jnp.float32), kt.astype(jnp.float32)) * scale
+  s = jnp.where(bits[:, None], s, -jnp.inf)  # [T, H, B, B]
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m[..., None])
+  l = jnp.sum(p, axis=-1)  # [T, H, B]
+  safe_l = jnp.where(l > 0, l, 1.0)
+  o = jnp.einsum("thij,tjhd->tihd", p, vt.astype(jnp.float32))
+  o = o / jnp.swapaxes(safe_l, 1, 2)[..., None]
+  lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+  return o, lse
+
+
+def merge_partials(parts):
+  """Log-sum-exp merge of partial attentions ``[(out, lse), ...]`` over disjoint key sets."""
+  lses = jnp.stack([p[1] for p in parts])  # [P, ...]
+  m = jax.lax.stop_gradient(jnp.max(lses, axis=0))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  ws = jnp.exp(lses - m)
+  z = jnp.sum(ws, axis=0)
+  safe = jnp.where(z > 0, z, 1.0)
+  out = sum(o.astype(jnp.float32) * (w / safe)[..., None] for (o, _), w in zip(parts, ws))
+  lse = jnp.where(z > 0, m + jnp.log(safe), -jnp.inf)
+  return out, lse
+
+
+def _combine_tiles(o, lse_t, rows, nb):
+  """Merges tile partials of the same query block row: ``[nb, B, H, D]``, ``[nb, H, B]``."""
+  m = jax.ops.segment_max(lse_t, rows, nb, indices_are_sorted=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  w = jnp.exp(lse_t - m[rows])  # [T, H, B]; 0 for empty tile rows
+  z = jax.ops.segment_sum(w, rows, nb, indices_are_sorted=True)
+  safe = jnp.where(z > 0, z, 1.0)
+  out = jax.ops.segment_sum(o * jnp.swapaxes(w, 1, 2)[..., None], rows, nb, indices_are_sorted=True)
+  out = out / jnp.swapaxes(safe, 1, 2)[..., None]
+  lse = jnp.where(z > 0, m + jnp.log(safe), -jnp.inf)
+  return out, lse
+
+
+def _pad_nodes(x, n_pad):
+  return jnp.pad(x, ((0, n_pad - x.shape[0]), (0, 0), (0, 0))) if n_pad > x.shape[0] else x
+
+
+def _chunked_partials(qb, kb, vb, rows, cols, bits, scale, chunk):
+  """``_tile_partials_xla`` over ``chunk`` tiles at a time (bounds the [T, H, B, B] scores);
+  each chunk is recomputed in the backward pass instead of storing its probabilities."""
+  t = rows.shape[0]
+  chunk = max(1, min(chunk, t))
+  nc = -(-t // chunk)
+  pad = nc * chunk - t
+  rows_p, cols_p = (jnp.pad(x, (0, pad)).reshape(nc, chunk) for x in (rows, cols))
+  bits_p = jnp.pad(bits, ((0, pad), (0, 0), (0, 0))).reshape(nc, chunk, *bits.shape[1:])
+
+  @jax.checkpoint
+  def part(args):
+    r, c, bt = args
+    return _tile_partials_xla(qb[r], kb[c], vb[c], bt, scale)
+
+  if nc == 1:
+    o, lse = part((rows_p[0], cols_p[0], bits_p[0]))
+  else:
+    o, lse = jax.lax.map(part, (rows_p, cols_p, bits_p))
+  o = o.reshape(nc * chunk, *o.shape[-3:])[:t]
+  lse = lse.reshape(nc * chunk, *lse.shape[-2:])[:t]
+  return o, lse
+
+
+def tile_graph_attention(q, k, v, tiles: GraphTiles, *, scale=None, impl: str = "auto",
+                         return_lse: bool = False, chunk: int = 256):
+  """Attention restricted to dense tiles (the block path / ECR dense blocks).
+
+  ``impl``: "xla" (batched matmuls, ``chunk`` tiles at a time, recomputed in the backward),
+  "pallas" / "pallas_interpret" (``pallas_kernels.graph_attention``), or "attention_op"
+  (``jaxsys.ops.attention`` with ``BlockSparse(layout, token_mask=AdjacencyMask)``; needs
+  concrete tiles). Returns ``out [N, H, D]`` (and ``lse [N, H]``).
+  """
+  _check_qkv(q, k, v)
+  rows, cols, bits = tiles
+  if bits.ndim != 3 or bits.shape[1] != bits.shape[2] or rows.shape != cols.shape or rows.shape[0] != bits.shape[0]:
+    raise ShapeError(f"tiles must be rows/cols [T] and bits [T, B, B], got {rows.shape}, {cols.shape}, {bits.shape}")
+  n, h, d = q.shape
+  b = bits.shape[-1]
+  nb = -(-n // b)
+  scale = _scale(scale, d)
+  if impl == "attention_op":
+    return _tiles_via_attention_op(q, k, v, tiles, scale, return_lse)
+  impl = _impl(impl)
+  qb, kb, vb = (_pad_nodes(x, nb * b).reshape(nb, b, h, d) for x in (q, k, v))
+  if rows.shape[0] == 0:
+    o = jnp.zeros((n, h, d), q.dtype)
+    lse = jnp.full((n, h), -jnp.inf, jnp.float32)
+    return (o, lse) if return_lse else o
+  if impl == "xla":
+    o, lse_t = _chunked_partials(qb, kb, vb, rows, cols, bits, scale, chunk)
+  else:
+    from pallas_kernels import graph_attention as kernel
+    o, lse_t = kernel.tile_attention(qb[rows], kb[cols], vb[cols], bits, scale=scale,
+                                     interpret=impl == "pallas_interpret")
+  out, lse = _combine_tiles(o.astype(jnp.float32), lse_t, rows, nb)
+  out = out.reshape(nb * b, h, d)[:n].astype(q.dtype)
+  lse = jnp.swapaxes(lse, 1, 2).reshape(nb * b, h)[:n]
+  return (out, lse) if return_lse else out
+
+
+def _tiles_via_attention_op(q, k, v, tiles, scale, return_lse):
+  from jaxsys.ops.attention import attention
+  if any(isinstance(x, jax.core.Tracer) for x in tiles):
+    raise NotImplementedError("impl='attention_op' needs concrete tiles (the BlockSparse layout is static)")
+  n = q.shape[0]
+  tm = AdjacencyMask.from_tiles(np.asarray(tiles.rows), np.asarray(tiles.cols), np.asarray(tiles.bits), n)
+  b = tm.bits.shape[-1]
+  nb = tm.tile_of.shape[0]
+  mask = masks_lib.BlockSparse(tm.layout(), b, b, token_mask=tm)
+  n_pad = nb * b
+  qp, kp, vp = (_pad_nodes(x, n_pad)[None] for x in (q, k, v))
+  out, lse = attention(qp, kp, vp, mask=mask, scale=scale, q_offset=0, return_lse=True)
+  out, lse = out[0, :n], jnp.swapaxes(lse[0], 0, 1)[:n]
+  return (out, lse) if return_lse else out
+
+
+def reformed_graph_attention(q, k, v, tiles: GraphTiles, senders, receivers, *, scale=None,
+                             impl: str = "auto", return_lse: bool = False,
+                             indices_are_sorted: bool = False, chunk: int = 256):
+  """ECR attention: dense tiles + leftover edges, merged exactly (log-sum-exp rule)."""
+  tile_impl = impl
+  edge_impl = "auto" if impl in ("pallas", "pallas_interpret", "attention_op") else impl
+  a = tile_graph_attention(q, k, v, tiles, scale=scale, impl=tile_impl, return_lse=True, chunk=chunk)
+  b = sparse_graph_attention(q, k, v, senders, receivers, scale=scale, impl=edge_impl,
+                             return_lse=True, indices_are_sorted=indices_are_sorted)
+  out, lse = merge_partials([a, b])
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- dense
+
+def dense_graph_attention(q, k, v, *, segment_ids=None, node_mask=None, scale=None,
+                          impl: str = "auto", return_lse: bool = False):
+  """Full (global) attention over all nodes via ``jaxsys.ops.attention``.
+
+  ``segment_ids int[N]``: nodes attend only within equal ids (batched graphs);
+  ``node_mask bool[N]``: False nodes (padding) are invisible as keys.
+  """
+  _check_qkv(q, k, v)
+  from jaxsys.ops.attention import attention
+  n = q.shape[0]
+  seg = jnp.zeros((n,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+  if seg.shape != (n,):
+    raise ShapeError(f"segment_ids must be int[nodes={n}], got shape {seg.shape}")
+  kv_seg = seg
+  if node_mask is not None:
+    node_mask = jnp.asarray(node_mask, bool)
+    if node_mask.shape != (n,):
+      raise ShapeError(f"node_mask must be bool[nodes={n}], got shape {node_mask.shape}")
+    kv_seg = jnp.where(node_mask, seg, -1)
+  seg_arg = None if segment_ids is None and node_mask is None else (seg[None], kv_seg[None])
+  att_impl = {"auto": "auto", "xla": "xla", "pallas": "pallas", "pallas_interpret": "pallas_interpret"}[impl]
+  out, lse = attention(q[None], k[None], v[None], segment_ids=seg_arg, scale=scale, impl=att_impl,
+                       q_offset=0, return_lse=True)
+  out, lse = out[0], jnp.swapaxes(lse[0], 0, 1)
+  return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def graph_attention(q, k, v, *, mode: str = "sparse", senders=None, receivers=None,
+                    tiles: GraphTiles | None = None, segment_ids=None, node_mask=None, scale=None,
+                    impl: str = "auto", return_lse: bool = False, indices_are_sorted: bool = False):
+  """One entry point: ``mode`` = "sparse" (edges) | "dense" (global) | "block" (tiles only,
+  i.e. ECR with threshold 0) | "reformed" (tiles + leftover edges)."""
+  if mode not in MODES:
+    raise ConfigError(f"{mode=} must be one of {MODES}")
+  if mode in ("sparse", "reformed") and (senders is None or receivers is None):
+    raise ConfigError(f"{mode=} needs senders and receivers")
+  if mode in ("block", "reformed") and tiles is None:
+    raise ConfigError(f"{mode=} needs tiles (GraphTiles.from_reformed(jaxsys.graphs.reform(...)))")
+  if mode == "sparse":
+    return sparse_graph_attention(q, k, v, senders, receivers, scale=scale, impl=impl,
+                                  return_lse=return_lse, indices_are_sorted=indices_are_sorted)
+  if mode == "dense":
+    return dense_graph_attention(q, k, v, segment_ids=segment_ids, node_mask=node_mask,
+                                 scale=scale, impl=impl, return_lse=return_lse)
+  if mode == "block":
+    return tile_graph_attention(q, k, v, tiles, scale=scale, impl=impl, return_lse=return_lse)
+  return reformed_graph_attention(q, k, v, tiles, senders, receivers, scale=scale, impl=impl,
+                                  return_lse=return_lse, indices_are_sorted=indices_are_sorted)

@@ -1,0 +1,113 @@
+"""Sequence layouts for ring attention: contiguous and zigzag (dual-chunk) load balancing.
+
+With a causal mask and ``P`` ring ranks, a contiguous split gives rank ``r`` the query block
+``r``, which sees ``r + 1`` of the ``P`` key blocks: the last rank works ``P`` times more than the
+first and the ring waits for it (max/mean work ``2P/(P+1)``). The zigzag layout cuts the sequence
+into ``2P`` chunks and gives rank ``r`` the chunks ``r`` and ``2P-1-r``: an early chunk with little
+causal work paired with a late chunk with much, so every rank does the same work.
+
+The reorder is done once on the data side (tokens, labels, positions, segment ids) so a model
+runs entirely on zigzag-ordered shards; ``zigzag_restore`` maps outputs back to natural order.
+
+Usage::
+
+  tokens_z = zigzag_reorder(tokens, ring_size=4)          # [b, s] natural -> zigzag order
+  batch_z = zigzag_batch({"tokens": t, "labels": l, "positions": p}, ring_size=4)
+  out = zigzag_restore(out_z, ring_size=4)                 # back to natural order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsys.core.errors import ConfigError, ShapeError
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def num_chunks(layout: str) -> int:
+  """Chunks each rank holds: 1 (contiguous) or 2 (zigzag)."""
+  if layout not in LAYOUTS:
+    raise ConfigError(f"{layout=} must be one of {LAYOUTS}")
+  return 1 if layout == "contiguous" else 2
+
+
+def check_seq_len(seq_len: int, ring_size: int, layout: str, extra: int = 1, what: str = "seq_len"):
+  """Raises ``ShapeError`` unless ``seq_len`` splits into ``ring_size * chunks * extra`` parts."""
+  parts = ring_size * num_chunks(layout) * extra
+  if seq_len % parts:
+    why = (f"2 * ring degree ({ring_size})" if layout == "zigzag" else f"ring degree ({ring_size})")
+    if extra > 1:
+      why += f" * ulysses degree ({extra})"
+    raise ShapeError(f"{what}={seq_len} must be divisible by {parts} = {why} for the {layout} "
+                     f"layout; pad the sequence (pad=True) or pick another length")
+
+
+def zigzag_indices(seq_len: int, ring_size: int) -> np.ndarray:
+  """``perm`` with ``reordered[i] = natural[perm[i]]``: chunks ``0, 2P-1, 1, 2P-2, ...``."""
+  check_seq_len(seq_len, ring_size, "zigzag")
+  c = seq_len // (2 * ring_size)
+  order = []
+  for r in range(ring_size):
+    order += [r, 2 * ring_size - 1 - r]
+  return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order]).astype(np.int32)
+
+
+def zigzag_reorder(x, ring_size: int, axis: int = 1):
+  """Natural token order -> zigzag order along ``axis`` (numpy in, numpy out; jax otherwise)."""
+  perm = zigzag_indices(x.shape[axis], ring_size)
+  return np.take(x, perm, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, perm, axis=axis)
+
+
+def zigzag_restore(x, ring_size: int, axis: int = 1):
+  """Zigzag order -> natural token order along ``axis`` (inverse of ``zigzag_reorder``)."""
+  inv = np.argsort(zigzag_indices(x.shape[axis], ring_size)).astype(np.int32)
+  return np.take(x, inv, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inv, axis=axis)
+
+
+def zigzag_batch(batch: Mapping, ring_size: int, axis: int = 1,
+                 keys=("tokens", "inputs", "labels", "targets", "positions", "segment_ids",
+                       "loss_mask", "embeds")) -> dict:
+  """Applies ``zigzag_reorder`` to the per-token fields of a batch; other fields pass through.
+
+  Positions must travel with the tokens (RoPE reads them), so a model on zigzag shards
+  computes exactly what it computes on the natural order.
+  """
+  out = dict(batch)
+  for key in keys:
+    if key in out and out[key] is not None:
+      out[key] = zigzag_reorder(out[key], ring_size, axis)
+  return out
+
+
+def chunk_starts(layout: str, rank, ring_size: int, local_len: int, xp=jnp):
+  """Global start index of each chunk that ring rank ``rank`` holds: ``int32[chunks]``.
+
+  ``local_len`` is the rank's total length (all its chunks); ``rank`` may be a traced scalar.
+  """
+  nc = num_chunks(layout)
+  c = local_len // nc
+  if layout == "contiguous":
+    return xp.reshape(xp.asarray(rank * local_len, dtype=xp.int32), (1,))
+  return xp.stack([xp.asarray(rank * c, xp.int32),
+                   xp.asarray((2 * ring_size - 1 - rank) * c, xp.int32)])
+
+
+def pad_len(seq_len: int, multiple: int) -> int:
+  return -(-seq_len // multiple) * multiple
+
+
+def pad_seq(x, target: int, axis: int = 1, value=0):
+  """Pads ``x`` along ``axis`` to ``target`` entries with ``value`` (never truncates)."""
+  n = x.shape[axis]
+  if n > target:
+    raise ShapeError(f"cannot pad length {n} down to {target}")
+  if n == target:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, target - n)
+  xp = np if isinstance(x, np.ndarray) else jnp
+  return xp.pad(x, widths, constant_values=value)

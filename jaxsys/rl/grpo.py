@@ -1,0 +1,186 @@
+"""GRPO (Shao et al., 2024) with rollouts from the adaptive speculative engine.
+
+For each prompt, ``G`` responses are sampled; with verifiable rewards ``r_i`` the advantage of
+every token of response ``i`` is the group-normalised ``A_i = (r_i - mean(r)) / (std(r) + eps)``.
+The policy maximises the clipped surrogate with a k3 KL penalty to a frozen reference policy:
+
+    rho_t = pi(x_t) / pi_old(x_t)
+    J = mean_i mean_t [ min(rho_t A_i, clip(rho_t, 1-eps, 1+eps) A_i) - beta * KL3_t ]
+    KL3_t = pi_ref/pi - log(pi_ref/pi) - 1                     (Schulman's k3 estimator)
+
+``pi_old`` log-probs are recomputed by the trainer (one forward before the updates) rather than
+trusted from the rollout engine, and the new weights are synced into the engine after each step.
+With a ``SpotTrainer`` the drafter trains on the rollout's features during the long tail and is
+swapped in between rollouts (TLT).
+
+Usage::
+
+  trainer = GRPOTrainer(policy, engine, TaskSampler(seed=0), GRPOConfig(group_size=4))
+  for _ in range(10):
+    metrics = trainer.step()        # reward_mean, rollout_seconds, train_seconds, ...
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.rl import tasks as tasks_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  group_size: int = 4
+  prompts_per_step: int = 8
+  clip_eps: float = 0.2
+  kl_coef: float = 0.02
+  lr: float = 3e-4
+  minibatches: int = 2
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.group_size < 2:
+      raise ConfigError(f"group_size={self.group_size} must be >= 2 (advantages are group-relative)")
+    if self.prompts_per_step < 1:
+      raise ConfigError(f"prompts_per_step={self.prompts_per_step} must be >= 1")
+    if not 0 < self.clip_eps < 1:
+      raise ConfigError(f"clip_eps={self.clip_eps} must be in (0, 1)")
+    if self.kl_coef < 0 or self.lr <= 0:
+      raise ConfigError(f"kl_coef={self.kl_coef} must be >= 0 and lr={self.lr} > 0")
+    n = self.group_size * self.prompts_per_step
+    if self.minibatches < 1 or n % self.minibatches:
+      raise ConfigError(f"minibatches={self.minibatches} must divide group_size*prompts_per_step={n}")
+
+
+def group_advantages(rewards, eps: float = 1e-6):
+  """``rewards [prompts, G] -> (r - mean) / (std + eps)`` per group."""
+  r = jnp.asarray(rewards, jnp.float32)
+  return (r - r.mean(-1, keepdims=True)) / (r.std(-1, keepdims=True) + eps)
+
+
+def token_logprobs(model, tokens):
+  """``log pi(x_{t+1} | x_<=t)``: ``int[b, S] -> float32[b, S-1]``."""
+  logits = model(tokens)[:, :-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def grpo_loss(model, tokens, mask, adv, old_logp, ref_logp, clip_eps: float, kl_coef: float):
+  """Clipped surrogate + k3 KL, averaged per response then over the batch (negated: minimise).
+
+  ``mask [b, S-1]`` marks log-prob positions that predict response tokens; ``adv [b]``.
+  """
+  logp = token_logprobs(model, tokens)
+  ratio = jnp.exp(logp - old_logp)
+  a = adv[:, None]
+  surr = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+  log_r = ref_logp - logp
+  kl = jnp.exp(log_r) - log_r - 1.0
+  per_tok = surr - kl_coef * kl
+  n = jnp.maximum(mask.sum(-1), 1.0)
+  obj = ((per_tok * mask).sum(-1) / n).mean()
+  clipped = ((jnp.abs(ratio - 1) > clip_eps) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+  return -obj, {"kl": ((kl * mask).sum(-1) / n).mean(), "clip_frac": clipped}
+
+
+def build_batch(examples, responses, seq_len: int):
+  """Prompt + response token arrays ``int[n, seq_len]`` and the response log-prob mask."""
+  n = len(examples)
+  tokens = np.full((n, seq_len), tasks_lib.EOS, np.int32)
+  mask = np.zeros((n, seq_len - 1), np.float32)
+  for i, (ex, resp) in enumerate(zip(examples, responses)):
+    seq = list(ex.prompt) + list(resp)
+    if len(seq) > seq_len:
+      raise ConfigError(f"prompt+response length {len(seq)} exceeds seq_len={seq_len}")
+    tokens[i, :len(seq)] = seq
+    mask[i, len(ex.prompt) - 1:len(seq) - 1] = 1.0
+  return tokens, mask
+
+
+class GRPOTrainer:
+  """One ``step()`` = rollout (engine) -> rewards -> advantages -> clipped updates -> weight sync."""
+
+  def __init__(self, policy, engine, tasks: tasks_lib.TaskSampler, config: GRPOConfig, *,
+               buffer=None, spot=None, temperature_check: bool = True):
+    self.config = config
+    self.engine, self.tasks = engine, tasks
+    self.buffer, self.spot = buffer, spot
+    if temperature_check and engine.config.sampling.greedy:
+      raise ConfigError("GRPO needs sampled rollouts: engine sampling temperature must be > 0")
+    self.gdef, self.params, self.rest = nnx.split(policy, nnx.Param, ...)
+    self.ref_params = copy.deepcopy(jax.device_get(self.params))
+    self.tx = optax.adam(config.lr)
+    self.opt_state = self.tx.init(self.params)
+    self.rng = np.random.default_rng(config.seed)
+    self.step_count = 0
+    self.seq_len = engine.config.max_prompt + engine.config.max_new
+    self._logp = jax.jit(lambda gdef, p, rest, t: token_logprobs(nnx.merge(gdef, p, rest), t),
+                         static_argnums=0)
+    self._update = jax.jit(self._update_fn, static_argnums=0)
+    engine.set_weights(self.policy)
+
+  @property
+  def policy(self):
+    return nnx.merge(self.gdef, self.params, self.rest)
+
+  def _update_fn(self, gdef, params, rest, opt_state, tokens, mask, adv, old_logp, ref_logp):
+    c = self.config
+
+    def loss_fn(p):
+      return grpo_loss(nnx.merge(gdef, p, rest), tokens, mask, adv, old_logp, ref_logp,
+                       c.clip_eps, c.kl_coef)
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
+
+  def step(self) -> dict:
+    c = self.config
+    t0 = time.perf_counter()
+    prompts = self.tasks.sample(c.prompts_per_step, self.rng)
+    examples = [ex for ex in prompts for _ in range(c.group_size)]
+    target = self.policy
+    hook = (lambda: self.spot.start(target)) if self.spot is not None else None
+    res = self.engine.generate([list(ex.prompt) for ex in examples], seed=c.seed * 100003 + self.step_count,
+                               on_long_tail=hook)
+    if self.spot is not None:
+      state = self.spot.stop()
+      if state is not None:
+        self.engine.set_drafter(state)  # swap the updated drafter in between rollouts
+    t1 = time.perf_counter()
+    if self.buffer is not None:
+      self.buffer.add(self.step_count, res.sequences, res.features, res.prompt_lengths)
+    rewards = np.array([tasks_lib.reward(ex, r) for ex, r in zip(examples, res.tokens)], np.float32)
+    adv = group_advantages(rewards.reshape(c.prompts_per_step, c.group_size)).reshape(-1)
+    tokens, mask = build_batch(examples, res.tokens, self.seq_len)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    old_logp = self._logp(self.gdef, self.params, self.rest, tokens)  # recomputed by the trainer
+    ref_logp = self._logp(self.gdef, self.ref_params, self.rest, tokens)
+    n = len(examples)
+    mb = n // c.minibatches
+    perm = self.rng.permutation(n)
+    aux = {}
+    for k in range(c.minibatches):
+      idx = jnp.asarray(perm[k * mb:(k + 1) * mb])
+      self.params, self.opt_state, aux = self._update(self.gdef, self.params, self.rest, self.opt_state,
+                                                      tokens[idx], mask[idx], adv[idx], old_logp[idx],
+                                                      ref_logp[idx])
+    jax.block_until_ready(self.params)
+    self.engine.set_weights(self.policy)
+    t2 = time.perf_counter()
+    self.step_count += 1
+    lengths = np.array([len(t) for t in res.tokens])
+    return {"step": self.step_count, "reward_mean": float(rewards.mean()),
+            "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "step_seconds": t2 - t0,
+            "mean_accepted": res.stats["mean_accepted"], "spec_steps": res.stats["spec_steps"],
+            "vanilla_steps": res.stats["vanilla_steps"], "len_mean": float(lengths.mean()),
+            "len_max": int(lengths.max()), "loss": float(aux["loss"]), "kl": float(aux["kl"]),
+            "clip_frac": float(aux["clip_frac"]), "responses": res.tokens}

@@ -1,0 +1,77 @@
+"""A tiny policy for the synthetic RL tasks: config, supervised warm-up, and a cached copy.
+
+GRPO needs a policy that already solves the task some of the time. ``pretrain_policy`` trains a
+small decoder LM with teacher forcing on ``jaxsys.rl.tasks`` examples (a few hundred Adam
+steps on CPU); ``cached_policy`` stores the result with orbax so experiments and notebooks
+reuse it.
+
+Usage::
+
+  policy = cached_policy("runs/tlt/policy", steps=300)
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxsys.models import DecoderConfig
+from jaxsys.models.decoder import Decoder
+from jaxsys.rl import tasks as tasks_lib
+
+
+def policy_config(hidden: int = 128, layers: int = 4) -> DecoderConfig:
+  return DecoderConfig(vocab_size=tasks_lib.VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_layers=layers, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                       eos_token_id=tasks_lib.EOS, bos_token_id=tasks_lib.BOS)
+
+
+def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, batch: int = 32,
+                    lr: float = 3e-3, seed: int = 0, sampler: tasks_lib.TaskSampler | None = None):
+  """Teacher-forced warm-up on task examples; returns ``(model, final_loss)``."""
+  config = config or policy_config()
+  model = Decoder(config, rngs=nnx.Rngs(seed))
+  sampler = sampler or tasks_lib.TaskSampler(long_fraction=0.3, seed=seed + 1)
+  seq_len = sampler.max_prompt + sampler.max_response
+  seq_len = 1 << (seq_len - 1).bit_length()
+  gdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr * 0.1))
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(params, opt, tokens, mask):
+    def loss_fn(p):
+      logits = nnx.merge(gdef, p, rest)(tokens)[:, :-1]
+      nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+      return (nll * mask[:, :-1]).sum() / mask[:, :-1].sum()
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    upd, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, upd), opt, loss
+
+  rng = np.random.default_rng(seed)
+  loss = np.nan
+  for _ in range(steps):
+    tokens, mask = tasks_lib.sft_batch(sampler.sample(batch, rng), seq_len)
+    params, opt, loss = step(params, opt, jnp.asarray(tokens), jnp.asarray(mask))
+  return nnx.merge(gdef, params, rest), float(loss)
+
+
+def cached_policy(path: str, *, steps: int = 300, config: DecoderConfig | None = None, seed: int = 0):
+  """Loads the orbax checkpoint at ``path`` or trains (``pretrain_policy``) and saves it there."""
+  import orbax.checkpoint as ocp
+  config = config or policy_config()
+  path = os.path.abspath(os.path.join(path, f"{config.hidden_size}x{config.num_layers}_s{steps}_seed{seed}"))
+  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+  gdef, abs_state = nnx.split(abstract)
+  if os.path.isdir(path):
+    with ocp.StandardCheckpointer() as ckpt:
+      return nnx.merge(gdef, ckpt.restore(path, abs_state))
+  model, _ = pretrain_policy(config, steps=steps, seed=seed)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, nnx.state(model))
+  return model

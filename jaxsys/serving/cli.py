@@ -1,0 +1,135 @@
+"""``jaxsys serve``: run the serving engine on a prompt file.
+
+Prompt file: one prompt per line, either a JSON list of token ids, a JSON object with a
+``"tokens"`` list (and optional ``"max_new_tokens"``), or whitespace-separated token ids.
+Results go to stdout (or ``--out``) as JSON lines ``{"index", "tokens", "finished", "error"}``,
+followed by a summary line on stderr.
+
+  jaxsys serve --prompts prompts.jsonl --model tiny --budget 256 --page-size 16 \\
+               --logical-page 4 --gates gates.json --max-new-tokens 32
+  jaxsys serve --prompts prompts.jsonl --model tiny --dense
+
+``--model``: ``tiny`` (the shipped tiny LM), ``random`` (a small random-weight model, for smoke
+tests) or a Hugging Face checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxsys.core.errors import ConfigError, InputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxsys serve", description=__doc__.split("\n\n")[0])
+  p.add_argument("--prompts", required=True, help="prompt file (see jaxsys serve --help)")
+  p.add_argument("--model", default="tiny", help="tiny | random | HF checkpoint dir")
+  p.add_argument("--dense", action="store_true", help="dense attention (every head, every page)")
+  p.add_argument("--budget", type=int, default=4096, help="token budget of retrieval heads")
+  p.add_argument("--page-size", type=int, default=64)
+  p.add_argument("--logical-page", type=int, default=16)
+  p.add_argument("--reuse", type=int, default=4, help="decode steps a page selection is reused")
+  p.add_argument("--sink", type=int, default=64)
+  p.add_argument("--window", type=int, default=256)
+  p.add_argument("--gates", help="streaming gates JSON (from identify_streaming_heads)")
+  p.add_argument("--kv-int8", action="store_true", help="int8 KV pages with per-token scales")
+  p.add_argument("--max-new-tokens", type=int, default=32)
+  p.add_argument("--max-batch", type=int, default=4)
+  p.add_argument("--num-pages", type=int, default=512)
+  p.add_argument("--max-seq-len", type=int, default=8192)
+  p.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
+  p.add_argument("--top-p", type=float, default=None)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", help="write JSON lines here instead of stdout")
+  p.add_argument("--progress", action="store_true")
+  return p
+
+
+def read_prompts(path) -> tuple[list[list[int]], list[int | None]]:
+  """Token-id prompts and optional per-prompt ``max_new_tokens`` from a prompt file."""
+  path = Path(path)
+  if not path.exists():
+    raise InputError(f"--prompts file {str(path)!r} does not exist")
+  prompts, news = [], []
+  for n, line in enumerate(path.read_text().splitlines(), 1):
+    line = line.strip()
+    if not line or line.startswith("#"):
+      continue
+    try:
+      obj = json.loads(line) if line[0] in "[{" else [int(t) for t in line.split()]
+    except ValueError as e:
+      raise InputError(f"{path}:{n}: cannot parse prompt ({e})") from e
+    if isinstance(obj, dict):
+      if "tokens" not in obj:
+        raise InputError(f"{path}:{n}: a JSON object prompt needs a 'tokens' list")
+      news.append(obj.get("max_new_tokens"))
+      obj = obj["tokens"]
+    else:
+      news.append(None)
+    prompts.append([int(t) for t in obj])
+  if not prompts:
+    raise InputError(f"--prompts file {str(path)!r} holds no prompt")
+  return prompts, news
+
+
+def load_model(name: str):
+  if name == "tiny":
+    from jaxsys.models import load_tiny_lm
+    return load_tiny_lm()
+  if name == "random":
+    from jaxsys.models._decoder_config import DecoderConfig
+    from jaxsys.models.decoder import random_model
+    return random_model(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_layers=2, num_heads=4, num_kv_heads=2), seed=0)
+  from jaxsys.models import from_pretrained
+  return from_pretrained(name)
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  from jaxsys.serving.engine import Engine, EngineConfig
+  from jaxsys.serving.generate import Sampling
+  from jaxsys.serving.lserve import LServeConfig
+  from jaxsys.serving.streaming import StreamingGates
+  try:
+    prompts, news = read_prompts(args.prompts)
+    ls = LServeConfig(dense=args.dense, page_size=args.page_size, logical_page_size=args.logical_page,
+                      token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
+                      window=args.window, kv_int8=args.kv_int8)
+    cfg = EngineConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
+                       max_seq_len=args.max_seq_len)
+    streaming = None
+    if args.gates and not args.dense:
+      gates = StreamingGates.load(args.gates)
+      if (gates.sink, gates.window) != (args.sink, args.window):
+        print(f"note: gates were learned with sink={gates.sink}, window={gates.window}",
+              file=sys.stderr)
+      streaming = gates.streaming
+    engine = Engine(load_model(args.model), cfg, streaming=streaming)
+    sampling = None if args.temperature is None else Sampling(args.temperature, top_p=args.top_p,
+                                                                seed=args.seed)
+    max_new = [args.max_new_tokens if m is None else int(m) for m in news]
+    res = engine.generate(prompts, max_new, sampling=sampling, progress=args.progress)
+  except (ConfigError, InputError) as e:
+    print(f"jaxsys serve: error: {e}", file=sys.stderr)
+    return 2
+  lines = [json.dumps({"index": i, "tokens": res.tokens[i], "finished": res.finished[i],
+                       "error": res.errors[i]}) for i in range(len(prompts))]
+  text = "\n".join(lines) + "\n"
+  if args.out:
+    Path(args.out).write_text(text)
+  else:
+    sys.stdout.write(text)
+  mode = "dense" if args.dense else f"lserve(budget={args.budget})"
+  print(f"served {len(prompts)} prompts ({sum(e is not None for e in res.errors)} rejected), {mode}: "
+        f"{res.decode_tokens} decode tokens in {res.decode_seconds:.2f}s "
+        f"({res.decode_tokens_per_second:.1f} tok/s), prefill {res.prefill_seconds:.2f}s",
+        file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,299 @@
+"""Serving engine: continuous batching over a paged KV cache, dense or LServe sparse attention.
+
+``Engine(model, EngineConfig(...), streaming=flags)`` serves ragged requests with a fixed number
+of batch slots: between decode steps finished requests leave (their pages return to the free
+list) and waiting requests join (prefill fills their pages, their first token is sampled from
+the prefill logits). Every decode step is one jitted call over all slots (static shapes: slots
+x page-table bucket), with two executables: one that refreshes the page selection and one that
+reuses it (LServe reuses a selection for ``reuse_steps`` steps).
+
+* ``EngineConfig(lserve=LServeConfig(dense=True))``: every head reads every page (the exact
+  dense baseline on the same cache).
+* LServe mode: retrieval heads read the top pages of the hierarchical selector under
+  ``token_budget``; streaming heads (``streaming`` flags ``bool[layers, kv_heads]``, e.g. from
+  ``streaming.identify_streaming_heads``) read sink + local pages.
+
+A request that can never fit (prompt + new tokens beyond ``max_seq_len`` or the page pool) is
+rejected with a message in ``result.errors`` while the others are served; one that does not fit
+*now* waits for pages to be freed.
+
+Usage::
+
+  engine = Engine(model, EngineConfig(max_batch=4, num_pages=512), streaming=gates.streaming)
+  res = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
+  res.tokens[0], res.errors[1]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.serving import lserve as lserve_lib
+from jaxsys.serving.generate import Sampling, _check_prompts, bucket, sample_tokens
+from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError, write_tokens
+from jaxsys.serving.prefill import check_model, prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Slots, pool and sequence limits of the engine and its attention mode (``lserve``)."""
+  lserve: lserve_lib.LServeConfig = lserve_lib.LServeConfig()
+  max_batch: int = 4
+  num_pages: int = 256
+  max_seq_len: int = 4096
+  prefill_chunk: int = 4096
+  min_prompt_bucket: int = 16
+
+  def __post_init__(self):
+    for name in ("max_batch", "num_pages", "max_seq_len", "prefill_chunk", "min_prompt_bucket"):
+      if int(getattr(self, name)) < 1:
+        raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.max_seq_len > self.num_pages * self.lserve.page_size:
+      raise ConfigError(f"max_seq_len={self.max_seq_len} exceeds the pool: num_pages={self.num_pages} "
+                        f"x page_size={self.lserve.page_size}")
+
+
+@dataclasses.dataclass
+class EngineResult:
+  tokens: list[list[int]]
+  finished: list[bool]           # stopped on a stop token
+  errors: list[str | None]       # why a request was rejected (None if served)
+  logits: list[np.ndarray] | None = None   # [new_tokens, vocab] when return_logits
+  steps: int = 0
+  prefill_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  decode_tokens: int = 0
+
+  @property
+  def decode_tokens_per_second(self) -> float:
+    return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclasses.dataclass
+class _Request:
+  index: int
+  prompt: np.ndarray
+  max_new: int
+  out: list = dataclasses.field(default_factory=list)
+  logits: list = dataclasses.field(default_factory=list)
+  finished: bool = False
+
+
+class Engine:
+  """See the module docstring."""
+
+  def __init__(self, model, config: EngineConfig = EngineConfig(), streaming=None):
+    self.model = model
+    self.config = config
+    ls = config.lserve
+    mc = model.config
+    flags = None
+    if streaming is not None and not ls.dense:
+      flags = np.asarray(streaming, bool)
+      if flags.shape != (mc.num_layers, mc.num_kv_heads):
+        raise ConfigError(f"streaming flags have shape {flags.shape}; expected "
+                          f"(num_layers={mc.num_layers}, num_kv_heads={mc.num_kv_heads})")
+    self.cache_config = PagedCacheConfig(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        num_pages=config.num_pages, page_size=ls.page_size, logical_page_size=ls.logical_page_size,
+        max_requests=config.max_batch, sink=ls.sink, window=ls.window,
+        streaming=None if flags is None else tuple(map(tuple, flags)),
+        dtype=str(jnp.dtype(mc.dtype)), kv_int8=ls.kv_int8)
+    check_model(model, self.cache_config)
+    self.selection = ls.selection
+    self.max_pages = -(-config.max_seq_len // ls.page_size)
+    self.cache = PagedKVCache(self.cache_config)
+    self._graphdef, self._params = nnx.split(model)
+    self._numbers = None  # per-layer retrieval selections [slots, r_l, K]
+    self._since_select = 0
+
+  # -- admission ----------------------------------------------------------------------------
+  def _capacity_error(self, n_tokens: int) -> str | None:
+    c = self.config
+    if n_tokens > c.max_seq_len:
+      return f"prompt + max_new_tokens = {n_tokens} tokens exceeds max_seq_len={c.max_seq_len}"
+    need = self.cache.pages_for(n_tokens)
+    if need > c.num_pages:
+      return f"needs {need} pages but the pool has num_pages={c.num_pages}"
+    return None
+
+  def _prefill(self, rid, req: _Request):
+    c = self.config
+    n = len(req.prompt)
+    t = bucket(n, c.min_prompt_bucket)
+    chunk = min(c.prefill_chunk, t)
+    t = -(-t // chunk) * chunk
+    tokens = np.zeros((1, t), np.int32)
+    tokens[0, :n] = req.prompt
+    bt, stt, _ = self.cache.block_tables([rid], self.max_pages)
+    self.cache.state, hidden = prefill(self.model, self.cache_config, self.cache.state,
+                                       jnp.asarray(tokens), n, jnp.asarray(bt), jnp.asarray(stt),
+                                       chunk=chunk, impl="auto")
+    self.cache.seqs[rid].length = n
+    return self.model.logits(hidden[:, None])[:, 0]  # [1, vocab]
+
+  # -- generation ---------------------------------------------------------------------------
+  def generate(self, prompts, max_new_tokens, *, sampling: Sampling | None = None,
+               stop_tokens=None, progress: bool = False, return_logits: bool = False) -> EngineResult:
+    """Serves all prompts with continuous batching; see the module docstring.
+
+    ``max_new_tokens``: an int or one per prompt. ``sampling=None`` is greedy.
+    """
+    mc = self.model.config
+    arrs = _check_prompts(prompts, mc.vocab_size)
+    news = [max_new_tokens] * len(arrs) if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
+    if len(news) != len(arrs) or any(int(m) < 1 for m in news):
+      raise InputError(f"max_new_tokens must be a positive int or one per prompt, got {max_new_tokens!r}")
+    stops = set(getattr(mc, "eos_ids", ()) if stop_tokens is None else stop_tokens)
+    s = sampling
+    key = jax.random.PRNGKey(0 if s is None else s.seed)
+    errors: list[str | None] = [None] * len(arrs)
+    waiting = collections.deque()
+    reqs = [_Request(i, a, int(m)) for i, a in enumerate(arrs, 0) for m in [news[i]]]
+    for r in reqs:
+      errors[r.index] = self._capacity_error(len(r.prompt) + r.max_new)
+      if errors[r.index] is None:
+        waiting.append(r)
+    slots: list[_Request | None] = [None] * self.config.max_batch
+    res = EngineResult([[] for _ in arrs], [False] * len(arrs), errors,
+                       [None] * len(arrs) if return_logits else None)
+    bar = _progress(progress, sum(r.max_new for r in waiting))
+    while waiting or any(slots):
+      joined = self._admit(waiting, slots, res, key, s, stops, bar)
+      if not any(slots):
+        if waiting:  # nothing live and the head request still does not fit: a bug, not a wait
+          raise PoolExhaustedError("the engine is idle but cannot admit the next request")
+        break
+      key, sub = jax.random.split(key)
+      t0 = time.perf_counter()
+      logits, toks = self._step(slots, sub, s, reselect=joined)
+      res.decode_seconds += time.perf_counter() - t0
+      res.steps += 1
+      for i, r in enumerate(slots):
+        if r is None:
+          continue
+        self._emit(r, int(toks[i]), logits[i] if return_logits else None, stops, bar)
+        res.decode_tokens += 1
+        if r.finished or len(r.out) >= r.max_new:
+          self._retire(i, slots, res)
+    if bar is not None:
+      bar.close()
+    for r in reqs:
+      if errors[r.index] is None:
+        res.tokens[r.index] = r.out
+        res.finished[r.index] = r.finished
+        if return_logits:
+          res.logits[r.index] = np.stack(r.logits)
+    return res
+
+  def _admit(self, waiting, slots, res, key, s, stops, bar) -> bool:
+    joined = False
+    while waiting and None in slots:
+      r = waiting[0]
+      try:
+        self.cache.admit(r.index, len(r.prompt) + r.max_new)
+      except PoolExhaustedError:
+        break  # waits until a live request leaves
+      waiting.popleft()
+      t0 = time.perf_counter()
+      logits = self._prefill(r.index, r)
+      tok = int(_sample(logits, jax.random.fold_in(key, r.index), s)[0])
+      res.prefill_seconds += time.perf_counter() - t0
+      self._emit(r, tok, np.asarray(logits[0]) if res.logits is not None else None, stops, bar)
+      slot = slots.index(None)
+      slots[slot] = r
+      joined = True
+      if r.finished or len(r.out) >= r.max_new:
+        self._retire(slot, slots, res)
+    return joined
+
+  @staticmethod
+  def _emit(r, tok, logits, stops, bar):
+    r.out.append(tok)
+    if logits is not None:
+      r.logits.append(np.asarray(logits))
+    if tok in stops:
+      r.finished = True
+    if bar is not None:
+      bar.update(1)
+
+  def _retire(self, slot, slots, res):
+    self.cache.release(slots[slot].index)
+    slots[slot] = None
+
+  def _step(self, slots, key, s, reselect):
+    """One decode step over all slots: writes each live request's last token, samples the next."""
+    b = self.config.max_batch
+    rids = [None if r is None else r.index for r in slots]
+    for rid in rids:
+      if rid is not None:
+        self.cache.extend(rid, 1)
+    bt, stt, lengths = self.cache.block_tables(rids, self.max_pages)
+    tokens = np.array([0 if r is None else r.out[-1] for r in slots], np.int32)
+    active = np.array([r is not None for r in slots])
+    sel = self.selection
+    if sel is not None:
+      reselect = reselect or self._numbers is None or self._since_select >= sel.reuse_steps
+      self._since_select = 1 if reselect else self._since_select + 1
+    numbers = self._numbers if self._numbers is not None else [None] * self.cache_config.num_layers
+    sampling = None if s is None else (s.temperature, s.top_k, s.top_p)
+    logits, toks, self.cache.state, numbers = _decode_step(
+        self._graphdef, self._params, self.cache_config, sel, self.cache.state, jnp.asarray(tokens),
+        jnp.asarray(lengths), jnp.asarray(active), jnp.asarray(bt), jnp.asarray(stt),
+        tuple(numbers), bool(reselect) if sel is not None else True, key, sampling,
+        self.config.lserve.impl)
+    self._numbers = list(numbers) if sel is not None else None
+    for i, rid in enumerate(rids):
+      if rid is not None:
+        self.cache.seqs[rid].length += 1
+    del b
+    return np.asarray(logits), np.asarray(toks)
+
+
+def _sample(logits, key, s: Sampling | None):
+  if s is None:
+    return sample_tokens(logits, key, greedy=True)
+  return sample_tokens(logits, key, greedy=False, temperature=s.temperature, top_k=s.top_k,
+                       top_p=s.top_p)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 13, 14), donate_argnums=(4,))
+def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positions, active, bt,
+                 stt, numbers, reselect, key, sampling, impl):
+  model = nnx.merge(graphdef, params)
+  x = model.embed(tokens[:, None])  # [slots, 1, embed]
+  pos = positions[:, None]
+  lengths = jnp.where(active, positions + 1, 0)
+  new_numbers = []
+  for i, layer in enumerate(model.layers):
+    q, k, v = layer.attn.project_qkv(layer.attn_norm(x), pos)  # [slots, 1, heads, d]
+    st = write_tokens(c, st, i, k, v, bt, stt, pos, active[:, None])
+    o, nums = lserve_lib.decode_attention(c, sel, st, i, q[:, 0], bt, stt, lengths, numbers[i],
+                                          reselect=reselect, impl=impl)
+    new_numbers.append(nums)
+    h = x + layer.attn.project_out(o[:, None])
+    x = h + layer.mlp(layer.mlp_norm(h))
+  logits = model.logits(model.final_norm(x))[:, 0]  # [slots, vocab]
+  if sampling is None:
+    toks = sample_tokens(logits, key, greedy=True)
+  else:
+    toks = sample_tokens(logits, key, greedy=False, temperature=sampling[0], top_k=sampling[1],
+                         top_p=sampling[2])
+  return logits, toks, st, tuple(new_numbers)
+
+
+def _progress(enabled: bool, total: int):
+  if not enabled:
+    return None
+  from tqdm.auto import tqdm
+  return tqdm(total=total, desc="tokens", file=sys.stderr)

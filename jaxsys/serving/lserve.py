@@ -1,0 +1,125 @@
+"""LServe decode attention of one layer: selected pages for retrieval heads, sink + local pages
+for streaming heads, both through the paged-decode op.
+
+Per layer with retrieval kv heads R and streaming kv heads S (query heads follow their kv head):
+
+* retrieval heads: every ``reuse_steps`` steps, score the pages with the hierarchical bound
+  (``page_select.page_scores``) and keep the top ``budget / page_size`` pages (newest forced);
+  in between, reuse the selection plus the page started since. Dense serving = every page.
+* streaming heads: read the request's sink pages and ring of local pages, masked to
+  ``Sink(sink) | Local(window)`` by token position.
+
+Attention cost per step is then ``O(|R| * budget + |S| * (sink + window))`` plus the statistics
+read (``|R| * context / logical_page_size`` vectors) once per ``reuse_steps`` steps.
+
+Usage (inside a jitted step; ``tables`` from ``PagedKVCache.block_tables``)::
+
+  out, numbers = decode_attention(cache_cfg, select_cfg, state, layer, q, block_table,
+                                  stream_table, lengths, numbers, reselect=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.ops.paged_attention import paged_decode_attention
+from jaxsys.serving import page_select as ps
+from jaxsys.serving.paged_cache import PagedCacheConfig, stream_page_numbers
+
+
+@dataclasses.dataclass(frozen=True)
+class LServeConfig:
+  """Sparse-attention settings of the serving engine (``dense=True`` turns all of it off).
+
+  ``token_budget`` must be a multiple of ``page_size``, ``page_size`` of ``logical_page_size``.
+  ``streaming_fraction`` is the share of kv heads turned into streaming heads when gates are
+  learned; ``sink``/``window`` are in tokens.
+  """
+  dense: bool = False
+  page_size: int = 64
+  logical_page_size: int = 16
+  token_budget: int = 4096
+  reuse_steps: int = 4
+  sink: int = 64
+  window: int = 256
+  streaming_fraction: float = 0.5
+  kv_int8: bool = False
+  impl: str = "auto"
+
+  def __post_init__(self):
+    # SelectionConfig validates page/budget divisibility with errors naming the fields.
+    ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size, self.reuse_steps)
+    if not 0.0 <= self.streaming_fraction <= 1.0:
+      raise ConfigError(f"streaming_fraction={self.streaming_fraction} must be in [0, 1]")
+    if self.window < 1 or self.sink < 0:
+      raise ConfigError(f"window={self.window} must be >= 1 and sink={self.sink} >= 0")
+
+  @property
+  def selection(self) -> ps.SelectionConfig | None:
+    if self.dense:
+      return None
+    return ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size,
+                              self.reuse_steps)
+
+
+def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st, layer, q,
+                        block_table, lengths, numbers=None, *, reselect=True, impl="auto"):
+  """Retrieval-head attention ``q [b, r*g, d] -> ([b, r*g, d], numbers [b, r, K] or None)``."""
+  r = len(c.retrieval_heads(layer))
+  if sel is None:
+    idx, num = ps.all_pages(block_table, lengths, r, page_size=c.page_size)
+  else:
+    if reselect or numbers is None:
+      scores = ps.page_scores(q, st["kmin"][layer], st["kmax"][layer], block_table, lengths,
+                              page_size=c.page_size, logical_page_size=c.logical_page_size,
+                              impl="xla" if impl in ("auto", "xla") else impl)
+      numbers = ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size)
+    num = ps.with_newest_page(numbers, lengths, page_size=c.page_size)
+    idx = ps.physical_pages(block_table, num)
+  ks, vs = (st["k_scale"][layer], st["v_scale"][layer]) if "k_scale" in st else (None, None)
+  out = paged_decode_attention(q, st["k"][layer], st["v"][layer], idx, num, lengths,
+                               k_scales=ks, v_scales=vs, impl=_op_impl(impl, ks))
+  return out, numbers
+
+
+def streaming_attention(c: PagedCacheConfig, st, layer, q, stream_table, lengths, impl="auto"):
+  """Streaming-head attention over sink + ring pages: ``q [b, s*g, d] -> [b, s*g, d]``."""
+  s = len(c.streaming_heads(layer))
+  b = q.shape[0]
+  num = jnp.broadcast_to(stream_page_numbers(c, lengths)[:, None], (b, s, stream_table.shape[1]))
+  idx = jnp.broadcast_to(stream_table[:, None], num.shape)
+  ks, vs = (st["sk_scale"][layer], st["sv_scale"][layer]) if "sk_scale" in st else (None, None)
+  return paged_decode_attention(q, st["sk"][layer], st["sv"][layer], idx, num, lengths,
+                                sink=c.sink, window=c.window, k_scales=ks, v_scales=vs,
+                                impl=_op_impl(impl, ks))
+
+
+def _op_impl(impl, scales):
+  return "xla" if (impl == "auto" and scales is not None) else impl
+
+
+def decode_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st, layer, q,
+                     block_table, stream_table, lengths, numbers=None, *, reselect=True,
+                     impl="auto"):
+  """One layer's decode attention ``q [b, heads, d] -> (out [b, heads, d], numbers)``.
+
+  ``lengths`` count the current token (already written to the cache). ``numbers`` is the
+  retrieval selection of this layer carried between steps (None in dense mode).
+  """
+  b, h, d = q.shape
+  hk = c.num_kv_heads
+  g = h // hk
+  rh, sh = c.retrieval_heads(layer), c.streaming_heads(layer)
+  qg = q.reshape(b, hk, g, d)  # [batch, kv_heads, group, dim]
+  out = jnp.zeros((b, hk, g, d), q.dtype)
+  if len(rh):
+    o, numbers = retrieval_attention(c, sel, st, layer, qg[:, rh].reshape(b, -1, d), block_table,
+                                     lengths, numbers, reselect=reselect, impl=impl)
+    out = out.at[:, rh].set(o.reshape(b, len(rh), g, d))
+  if len(sh):
+    o = streaming_attention(c, st, layer, qg[:, sh].reshape(b, -1, d), stream_table, lengths, impl)
+    out = out.at[:, sh].set(o.reshape(b, len(sh), g, d))
+  return out.reshape(b, h, d), numbers

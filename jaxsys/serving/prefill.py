@@ -1,0 +1,102 @@
+"""Prefill with hybrid attention: one block-sparse attention call per layer with a per-head mask.
+
+Retrieval heads attend densely (``Causal``, optionally intersected with a static block-sparse
+layout); streaming heads attend to ``Sink(sink) | Local(window)``. Both go into one call of
+``jaxsys.ops.attention`` with a ``MultiHead`` mask, so key blocks a head never sees are skipped
+by the blockwise implementation (LServe section 3: unified block-sparse prefill). The keys and
+values are written to the paged cache as they are produced (retrieval pool with page
+statistics; streaming pool keeps only the sink and the last window).
+
+Very long prompts run in chunks of ``chunk`` tokens: chunk ``c`` attends to the prompt prefix
+``[0, (c + 1) * chunk)`` with ``q_offset = c * chunk``, bounding activation memory by the chunk.
+
+Usage::
+
+  st, hidden = prefill(model, cache_cfg, st, tokens, length, block_table, stream_table, chunk=4096)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.ops import attention, masks
+from jaxsys.serving.paged_cache import PagedCacheConfig, write_tokens
+
+
+def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
+               retrieval_mask: masks.Mask | None = None) -> masks.Mask:
+  """Per-head prefill mask of a layer: Causal (retrieval) / Sink | Local (streaming)."""
+  flags = c.streaming_flags()[layer]
+  dense = masks.Causal() if retrieval_mask is None else masks.Causal() & retrieval_mask
+  if not flags.any():
+    return dense
+  g = num_heads // c.num_kv_heads
+  stream = masks.Sink(c.sink) | masks.Local(c.window)
+  return masks.MultiHead([stream if flags[h // g] else dense for h in range(num_heads)])
+
+
+def check_model(model, c: PagedCacheConfig):
+  mc = model.config
+  if (mc.num_layers, mc.num_kv_heads, mc.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+    raise ConfigError(f"cache (num_layers={c.num_layers}, num_kv_heads={c.num_kv_heads}, "
+                      f"head_dim={c.head_dim}) does not match the model "
+                      f"({mc.num_layers}, {mc.num_kv_heads}, {mc.head_dim})")
+  for i, layer in enumerate(model.layers):
+    if getattr(layer.attn, "sliding_window", None) is not None:
+      raise NotImplementedError(f"layer {i} uses a sliding window; LServe serving assumes full attention")
+
+
+def prefill(model, c: PagedCacheConfig, st, tokens, length, block_table, stream_table, *,
+            chunk: int | None = None, retrieval_mask=None, impl: str = "auto"):
+  """Runs the prompt ``tokens int[1, T]`` (valid ``length``) through the model, filling the cache.
+
+  Returns ``(state, hidden [1, embed])``: the final-norm hidden state of the last prompt token.
+  ``T`` must be a multiple of ``chunk`` (default: one chunk).
+  """
+  t = tokens.shape[1]
+  chunk = t if chunk is None else min(chunk, t)
+  if chunk < 1 or t % chunk:
+    raise ConfigError(f"prompt bucket length {t} must be a multiple of {chunk=}")
+  check_model(model, c)
+  graphdef, params = nnx.split(model)
+  return _prefill(graphdef, params, c, st, tokens, jnp.asarray(length, jnp.int32), block_table,
+                  stream_table, chunk, retrieval_mask, impl)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 8, 9, 10), donate_argnums=(3,))
+def _prefill(graphdef, params, c, st, tokens, length, block_table, stream_table, chunk,
+             retrieval_mask, impl):
+  model = nnx.merge(graphdef, params)
+  b, t = tokens.shape
+  pos_all = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  valid_all = pos_all < length
+  kv_len = jnp.broadcast_to(length, (b,))
+  kbuf = vbuf = None
+  hidden = []
+  for start in range(0, t, chunk):
+    end = start + chunk
+    x = model.embed(tokens[:, start:end])  # [b, chunk, embed]
+    pos, valid = pos_all[:, start:end], valid_all[:, start:end]
+    for i, layer in enumerate(model.layers):
+      q, k, v = layer.attn.project_qkv(layer.attn_norm(x), pos)  # [b, chunk, heads, d]
+      st = write_tokens(c, st, i, k, v, block_table, stream_table, pos, valid)
+      if chunk < t:  # keys of the whole prefix so far, per layer
+        if kbuf is None:
+          kbuf = [jnp.zeros((b, t) + k.shape[2:], k.dtype) for _ in model.layers]
+          vbuf = [jnp.zeros((b, t) + v.shape[2:], v.dtype) for _ in model.layers]
+        kbuf[i] = jax.lax.dynamic_update_slice_in_dim(kbuf[i], k, start, axis=1)
+        vbuf[i] = jax.lax.dynamic_update_slice_in_dim(vbuf[i], v, start, axis=1)
+        k, v = kbuf[i][:, :end], vbuf[i][:, :end]
+      mask = layer_mask(c, i, q.shape[2], retrieval_mask)
+      o = attention(q, k, v, mask=mask, q_offset=start, kv_lengths=kv_len, impl=impl)
+      h = x + layer.attn.project_out(o)
+      x = h + layer.mlp(layer.mlp_norm(h))
+    hidden.append(x)
+  x = jnp.concatenate(hidden, axis=1)  # [b, t, embed]
+  last = jnp.take_along_axis(x, jnp.broadcast_to(length - 1, (b, 1, 1)), axis=1)[:, 0]
+  return st, model.final_norm(last)

@@ -1,0 +1,146 @@
+"""Streaming-head identification (DuoAttention, Xiao et al. 2024), as used by LServe.
+
+Every (layer, kv head) gets a gate ``alpha in [0, 1]``; the gated model mixes, per head,
+
+  attn(x) = alpha * full_attention(x) + (1 - alpha) * streaming_attention(x)
+
+where streaming attention sees ``Sink(sink) | Local(window)``. With the model frozen, the gates
+are trained to reproduce the full model's final hidden states on the answer tokens of synthetic
+passkey sequences (distillation), with an L1 penalty pushing gates to 0:
+
+  loss = mean_{answer tokens} || h_gated - h_full ||^2 + l1 * mean(alpha)
+
+Heads whose gate ends in the lowest ``sparsity`` quantile become streaming heads (they do not
+need the distant context on this data); the rest stay retrieval heads. ``StreamingGates``
+saves/loads as a small JSON file.
+
+Usage::
+
+  gates = identify_streaming_heads(model, (tokens, answer_mask), sink=16, window=64, sparsity=0.5)
+  gates.save("gates.json"); gates = StreamingGates.load("gates.json")
+  Engine(model, cfg, streaming=gates.streaming)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.ops import attention, masks
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingGates:
+  """Learned gates ``alpha [layers, kv_heads]`` and the resulting streaming flags."""
+  alpha: tuple[tuple[float, ...], ...]
+  streaming: tuple[tuple[bool, ...], ...]
+  sink: int
+  window: int
+  sparsity: float
+  history: tuple[float, ...] = ()
+
+  @classmethod
+  def from_alpha(cls, alpha, *, sink, window, sparsity, history=()):
+    """Streaming = the ``round(sparsity * heads)`` heads with the smallest gates."""
+    a = np.asarray(alpha, np.float64)
+    if not 0.0 <= sparsity <= 1.0:
+      raise ConfigError(f"sparsity={sparsity} must be in [0, 1]")
+    n = int(round(sparsity * a.size))
+    flags = np.zeros(a.size, bool)
+    flags[np.argsort(a.reshape(-1), kind="stable")[:n]] = True
+    return cls(tuple(map(tuple, a.round(6).tolist())), tuple(map(tuple, flags.reshape(a.shape).tolist())),
+               int(sink), int(window), float(sparsity), tuple(float(h) for h in history))
+
+  def with_sparsity(self, sparsity: float) -> "StreamingGates":
+    return StreamingGates.from_alpha(self.alpha, sink=self.sink, window=self.window,
+                                     sparsity=sparsity, history=self.history)
+
+  def save(self, path) -> None:
+    Path(path).write_text(json.dumps(dataclasses.asdict(self)))
+
+  @classmethod
+  def load(cls, path) -> "StreamingGates":
+    d = json.loads(Path(path).read_text())
+    return cls(tuple(map(tuple, d["alpha"])), tuple(map(tuple, d["streaming"])), d["sink"],
+               d["window"], d["sparsity"], tuple(d.get("history", ())))
+
+
+def gated_hidden(model, tokens, alpha, *, sink: int, window: int, impl: str = "auto"):
+  """Final hidden states ``[b, T, embed]`` of the gate-mixed model (alpha ``[layers, kv_heads]``;
+  alpha = None runs plain full attention)."""
+  mc = model.config
+  b, t = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  g = mc.num_heads // mc.num_kv_heads
+  x = model.embed(tokens)
+  for i, layer in enumerate(model.layers):
+    q, k, v = layer.attn.project_qkv(layer.attn_norm(x), pos)  # [b, T, heads, d]
+    full = attention(q, k, v, mask=masks.Causal(), impl=impl)
+    if alpha is not None:
+      stream = attention(q, k, v, mask=masks.Sink(sink) | masks.Local(window), impl=impl)
+      a = jnp.repeat(alpha[i], g)[None, None, :, None].astype(full.dtype)  # per query head
+      full = a * full + (1 - a) * stream
+    h = x + layer.attn.project_out(full)
+    x = h + layer.mlp(layer.mlp_norm(h))
+  return model.final_norm(x)
+
+
+def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
+                             sparsity: float = 0.5, steps: int = 100, lr: float = 0.05,
+                             l1: float = 0.05, batch_size: int = 4, seed: int = 0,
+                             impl: str = "auto") -> StreamingGates:
+  """Learns gates by distillation on ``data = (tokens int[n, T], answer_mask bool[n, T])``.
+
+  The model stays frozen; only the ``[layers, kv_heads]`` gates train (Adam, clipped to
+  [0, 1] after each step, initialised at 1 = full attention).
+  """
+  tokens, answer = (np.asarray(x) for x in data)
+  if tokens.ndim != 2 or answer.shape != tokens.shape:
+    raise ShapeError(f"data must be (tokens int[n, T], answer_mask bool[n, T]), got "
+                     f"{tokens.shape} and {answer.shape}")
+  if not answer.any():
+    raise ShapeError("answer_mask selects no token to distill on")
+  for name, val in (("steps", steps), ("batch_size", batch_size), ("window", window)):
+    if val < 1:
+      raise ConfigError(f"{name}={val} must be >= 1")
+  mc = model.config
+  graphdef, params = nnx.split(model)
+  alpha = jnp.ones((mc.num_layers, mc.num_kv_heads), jnp.float32)
+  opt = optax.adam(lr)
+  opt_state = opt.init(alpha)
+  rng = np.random.default_rng(seed)
+  history = []
+  for step in range(steps):
+    idx = rng.choice(len(tokens), size=min(batch_size, len(tokens)), replace=False)
+    tok, ans = jnp.asarray(tokens[idx], jnp.int32), jnp.asarray(answer[idx])
+    alpha, opt_state, loss = _gate_step(graphdef, params, alpha, opt_state, tok, ans, opt,
+                                        sink, window, l1, impl)
+    history.append(float(loss))
+  return StreamingGates.from_alpha(np.asarray(alpha), sink=sink, window=window,
+                                   sparsity=sparsity, history=history)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10))
+def _gate_step(graphdef, params, alpha, opt_state, tokens, answer, opt, sink, window, l1, impl):
+  model = nnx.merge(graphdef, params)
+  target = jax.lax.stop_gradient(gated_hidden(model, tokens, None, sink=sink, window=window, impl=impl))
+  w = answer.astype(jnp.float32)[..., None]
+
+  def loss_fn(a):
+    h = gated_hidden(model, tokens, a, sink=sink, window=window, impl=impl)
+    mse = jnp.sum(w * (h - target) ** 2) / (jnp.sum(w) * h.shape[-1])
+    return mse + l1 * jnp.mean(jnp.abs(a)), mse
+
+  (loss, mse), grad = jax.value_and_grad(loss_fn, has_aux=True)(alpha)
+  updates, opt_state = opt.update(grad, opt_state, alpha)
+  alpha = jnp.clip(optax.apply_updates(alpha, updates), 0.0, 1.0)
+  return alpha, opt_state, mse

@@ -1,0 +1,311 @@
+"""Adaptive rollout engine: vanilla decoding while the batch is full, speculative in the long tail.
+
+RL rollouts start with every sequence running (a large batch: decoding is efficient and
+speculation buys little) and end with a few very long responses (a tiny batch: each step is
+latency bound and verification of many draft tokens is almost free). TLT's engine therefore
+
+* switches speculative decoding on when the number of running sequences drops below
+  ``spec_threshold`` (and off again only above ``spec_threshold + hysteresis``);
+* shrinks the batch to the smallest power-of-two bucket holding the running rows;
+* lets a ``BucketedBandit`` pick the strategy (depth, topk, verify_tokens) per batch bucket,
+  rewarded by ``accepted tokens x batch / step time`` (tokens per second);
+* runs only ahead-of-time compiled executables from an ``ExecutablePool`` keyed by
+  ``(step, strategy or verify_tokens, batch bucket)``; verification is shared by every strategy
+  with the same ``verify_tokens``.
+
+Usage::
+
+  engine = RolloutEngine(model, drafter, EngineConfig(strategies=(Strategy.chain(4),), max_new=128))
+  engine.precompile()                       # optional: everything before the first rollout
+  res = engine.generate(prompts, seed=0)   # res.tokens[i], res.stats
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.models.drafter import check_compatible
+from jaxsys.speculative import decode as dec
+from jaxsys.speculative.bandit import BucketedBandit, Strategy, bucket_of
+from jaxsys.speculative.pool import ExecutablePool, enable_persistent_cache
+from jaxsys.speculative.sampling import GREEDY, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  strategies: tuple[Strategy, ...] = (Strategy.chain(4),)
+  max_new: int = 64
+  max_prompt: int = 32
+  batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+  spec_threshold: int = 8          # speculate when running sequences < spec_threshold
+  hysteresis: int = 2
+  speculative: bool = True         # False: the vanilla baseline (same engine, no drafting)
+  epsilon: float = 0.1
+  stop_tokens: tuple[int, ...] = ()
+  sampling: SamplingParams = GREEDY
+  pool_max_entries: int = 128
+  pool_max_bytes: int | None = None
+  compilation_cache_dir: str | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "strategies", tuple(self.strategies))
+    object.__setattr__(self, "batch_buckets", tuple(sorted(self.batch_buckets)))
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+    if not self.strategies:
+      raise ConfigError("strategies must not be empty")
+    if self.max_new < 1 or self.max_prompt < 1:
+      raise ConfigError(f"max_new={self.max_new} and max_prompt={self.max_prompt} must be >= 1")
+    if self.spec_threshold < 0 or self.hysteresis < 0:
+      raise ConfigError(f"spec_threshold={self.spec_threshold} and hysteresis={self.hysteresis} must be >= 0")
+    if any(b < 1 for b in self.batch_buckets):
+      raise ConfigError(f"batch_buckets={self.batch_buckets} must be positive")
+    if not isinstance(self.sampling, SamplingParams):
+      raise ConfigError(f"sampling={self.sampling!r} must be a SamplingParams")
+
+  @property
+  def max_depth(self) -> int:
+    return max(s.depth for s in self.strategies)
+
+  @property
+  def max_len(self) -> int:
+    extra = max(max(s.verify_tokens, (s.depth - 1) * s.topk) for s in self.strategies)
+    return self.max_prompt + self.max_new + self.max_depth + extra + 2
+
+  def decode_config(self) -> dec.DecodeConfig:
+    return dec.DecodeConfig(max_len=self.max_len, max_new=self.max_new, max_depth=self.max_depth,
+                            stop_tokens=self.stop_tokens, sampling=self.sampling)
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  tokens: list[list[int]]          # new tokens per prompt (stop token included)
+  sequences: list[np.ndarray]      # prompt + committed tokens
+  features: list[np.ndarray]       # target features of the committed positions [len, embed]
+  prompt_lengths: list[int]
+  stats: dict
+
+
+class RolloutEngine:
+  """See the module docstring."""
+
+  def __init__(self, model, drafter, config: EngineConfig, *, pool: ExecutablePool | None = None):
+    if drafter is None and config.speculative:
+      raise ConfigError("speculative=True needs a drafter")
+    if drafter is not None:
+      check_compatible(drafter, model)
+    for s in config.strategies:
+      if s.verify_tokens > 1 + s.num_candidates:
+        raise ConfigError(f"strategy {s.name} verifies more nodes than it drafts")
+    config.sampling.check_vocab(model.config.vocab_size)
+    if config.compilation_cache_dir:
+      enable_persistent_cache(config.compilation_cache_dir)
+    self.config = config
+    self.dcfg = config.decode_config()
+    self.gdef, self.tstate = nnx.split(model)
+    self.model_config = model.config
+    self.drafter_config = drafter.config if drafter is not None else None
+    self.dgdef, self.dstate = nnx.split(drafter) if drafter is not None else (None, None)
+    self.pool = pool or ExecutablePool(config.pool_max_entries, config.pool_max_bytes)
+    self.bandit = BucketedBandit(config.strategies, config.batch_buckets, epsilon=config.epsilon,
+                                 seed=config.seed)
+    self._abstract: dict[int, dec.DecodeState] = {}
+
+  # ---- weights ---------------------------------------------------------------------------
+  def set_weights(self, model):
+    """Syncs new policy weights (same architecture: executables stay valid)."""
+    gdef, state = nnx.split(model)
+    if gdef != self.gdef:
+      raise ConfigError("set_weights needs a model with the same structure as the engine's")
+    self.tstate = state
+
+  def set_drafter(self, drafter_or_state):
+    """Swaps in an updated drafter (a module or its ``nnx.State``)."""
+    if isinstance(drafter_or_state, nnx.Module):
+      check_compatible(drafter_or_state, nnx.merge(self.gdef, self.tstate))
+      drafter_or_state = nnx.split(drafter_or_state)[1]
+    self.dstate = drafter_or_state
+
+  # ---- executables -----------------------------------------------------------------------
+  def _state_shape(self, b: int):
+    if b not in self._abstract:
+      c = self.config
+      dcfg = self.drafter_config or _dummy_drafter_cfg(self.model_config)
+
+      def make():
+        return dec.init_state(nnx.merge(self.gdef, self.tstate), dcfg, jnp.zeros((b, c.max_prompt), jnp.int32),
+                              None, self.dcfg, jax.random.key(0))
+      self._abstract[b] = jax.eval_shape(make)
+    return self._abstract[b]
+
+  def _exe(self, kind: str, b: int, strategy: Strategy | None = None):
+    c, dcfg = self.config, self.dcfg
+    st = self._state_shape(b)
+    if kind == "prefill":
+      key = ("prefill", b)
+      prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32)
+      lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+      build = lambda: dec.jit_prefill(dcfg).lower(self.gdef, self.tstate, st, prompts, lengths).compile()
+    elif kind == "vanilla":
+      key = ("vanilla", b)
+      build = lambda: dec.jit_vanilla(dcfg).lower(self.gdef, self.tstate, st).compile()
+    elif kind == "sync":
+      key = ("sync", b)
+      build = lambda: dec.jit_sync().lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
+    elif kind == "draft":
+      key = ("draft", strategy, b)
+      build = lambda: dec.jit_draft(strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
+    elif kind == "verify":
+      key = ("verify", strategy.verify_tokens, b)
+      trees = jax.eval_shape(lambda s: dec.draft(nnx.merge(self.gdef, self.tstate),
+                                                 nnx.merge(self.dgdef, self.dstate), s, strategy)[0], st)
+      build = lambda: dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
+    else:
+      raise ValueError(kind)
+    return self.pool.get(key, build)
+
+  def precompile(self, buckets: Sequence[int] | None = None):
+    """Compiles every executable a rollout may need, ahead of time."""
+    for b in buckets or self.config.batch_buckets:
+      self._exe("prefill", b)
+      self._exe("vanilla", b)
+      if self.config.speculative and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
+        self._exe("sync", b)
+        for s in self.config.strategies:
+          self._exe("draft", b, s)
+          self._exe("verify", b, s)
+
+  # ---- rollout ---------------------------------------------------------------------------
+  def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
+               on_long_tail: Callable[[], None] | None = None,
+               force_strategy: Strategy | None = None) -> RolloutResult:
+    """Generates for every prompt; see the module docstring.
+
+    ``on_long_tail`` is called once when speculation first switches on (e.g. to start drafter
+    training on idle resources); ``force_strategy`` bypasses the bandit and speculates from the
+    first step (for measurements at a fixed batch size).
+    """
+    c = self.config
+    if force_strategy is not None and (force_strategy.depth > c.max_depth or
+                                       force_strategy.verify_tokens > c.max_len - c.max_prompt - c.max_new):
+      raise ConfigError(f"force_strategy {force_strategy.name} exceeds the engine's sizes "
+                        f"(max_depth={c.max_depth}); add it to EngineConfig.strategies")
+    arrs = self._check_prompts(prompts)
+    n = len(arrs)
+    b = bucket_of(n, c.batch_buckets)
+    toks = np.zeros((b, c.max_prompt), np.int32)
+    lens = np.ones((b,), np.int32)
+    for i, a in enumerate(arrs):
+      toks[i, :len(a)] = a
+      lens[i] = len(a)
+    rows = np.arange(b)  # engine row -> prompt index (>= n: padding)
+    state = jax.jit(lambda k: dec.init_state(nnx.merge(self.gdef, self.tstate),
+                                             self.drafter_config or _dummy_drafter_cfg(self.model_config),
+                                             jnp.asarray(toks), None, self.dcfg, k))(jax.random.key(seed))
+    done_pad = np.arange(b) >= n
+    state = self._exe("prefill", b)(self.tstate, state, jnp.asarray(toks), jnp.asarray(lens))
+    state = state.replace(done=state.done | jnp.asarray(done_pad))
+    results: dict[int, tuple] = {}
+    stats = {"steps": 0, "spec_steps": 0, "vanilla_steps": 0, "accepted": [], "spec_batch": [],
+             "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0}
+    spec_on, synced, tail_called = False, False, False
+    t_start = time.perf_counter()
+    while True:
+      done = np.asarray(state.done)
+      running = int((~done).sum())
+      if running == 0:
+        break
+      new_b = bucket_of(running, c.batch_buckets)
+      if new_b < len(rows):  # shrink the batch: harvest finished rows, keep the running ones
+        self._harvest(state, rows, done, results, n)
+        keep = np.flatnonzero(~done)
+        pad = np.full(new_b - len(keep), np.flatnonzero(done)[0], np.int64)
+        idx = jnp.asarray(np.concatenate([keep, pad]))
+        state = jax.tree.map(lambda a: a[idx] if hasattr(a, "ndim") and a.ndim and a.shape[0] == len(rows) else a, state)
+        state = state.replace(done=state.done.at[len(keep):].set(True))
+        rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
+        stats["shrinks"] += 1
+        continue
+      want_spec = c.speculative and (force_strategy is not None or running < c.spec_threshold or
+                                     (spec_on and running < c.spec_threshold + c.hysteresis))
+      if want_spec and not spec_on and on_long_tail is not None and not tail_called:
+        on_long_tail()
+        tail_called = True
+      if want_spec != spec_on:
+        spec_on, synced = want_spec, False
+      b = len(rows)
+      t0 = time.perf_counter()
+      if spec_on:
+        if not synced:
+          state = self._exe("sync", b)(self.tstate, self.dstate, state)
+          synced = True
+        strategy = force_strategy if force_strategy is not None else c.strategies[self.bandit.select(running)]
+        trees, state = self._exe("draft", b, strategy)(self.tstate, self.dstate, state)
+        state, n_acc = self._exe("verify", b, strategy)(self.tstate, state, trees)
+        n_acc = np.asarray(n_acc)
+        dt = time.perf_counter() - t0
+        acc = n_acc[n_acc >= 0]
+        tokens = float((acc + 1).sum())
+        if force_strategy is None:
+          self.bandit.update(running, c.strategies.index(strategy), tokens / dt)
+        stats["spec_steps"] += 1
+        stats["spec_seconds"] += dt
+        stats["accepted"].append(float(acc.mean()) if len(acc) else 0.0)
+        stats["spec_batch"].append(running)
+        stats["strategy"].append(strategy.name)
+      else:
+        state = self._exe("vanilla", b)(self.tstate, state)
+        state.done.block_until_ready()
+        stats["vanilla_steps"] += 1
+        stats["vanilla_seconds"] += time.perf_counter() - t0
+      stats["steps"] += 1
+    self._harvest(state, rows, np.asarray(state.done), results, n, final=True)
+    stats["seconds"] = time.perf_counter() - t_start
+    stats["mean_accepted"] = float(np.mean(stats["accepted"])) if stats["accepted"] else 0.0
+    ordered = [results[i] for i in range(n)]
+    return RolloutResult(tokens=[r[0] for r in ordered], sequences=[r[1] for r in ordered],
+                         features=[r[2] for r in ordered], prompt_lengths=[len(a) for a in arrs],
+                         stats=stats)
+
+  def _harvest(self, state, rows, done, results, n, final=False):
+    take = [i for i in range(len(rows)) if 0 <= rows[i] < n and rows[i] not in results and (done[i] or final)]
+    if not take:
+      return
+    idx = np.asarray(take)
+    out, n_out, seq, feats, lengths = jax.device_get(
+        (state.out[idx], state.n_out[idx], state.seq[idx], state.feats[idx], state.cache.lengths[idx]))
+    for j, i in enumerate(take):
+      length = int(lengths[j])  # committed positions (the last root is not in the cache)
+      results[int(rows[i])] = (out[j, :int(n_out[j])].tolist(), seq[j, :length].copy(),
+                               feats[j, :length].copy())
+
+  def _check_prompts(self, prompts):
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+      raise InputError("prompts must be a non-empty list of token-id lists")
+    out = []
+    v = self.model_config.vocab_size
+    for i, p in enumerate(prompts):
+      a = np.asarray(p)
+      if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"prompts[{i}] must be a non-empty 1-D list of token ids")
+      if a.size > self.config.max_prompt:
+        raise InputError(f"prompts[{i}] has {a.size} tokens > max_prompt={self.config.max_prompt}")
+      if a.min() < 0 or a.max() >= v:
+        raise InputError(f"prompts[{i}] has token ids outside [0, vocab_size={v})")
+      out.append(a.astype(np.int32))
+    if len(out) > self.config.batch_buckets[-1]:
+      raise InputError(f"{len(out)} prompts exceed the largest batch bucket {self.config.batch_buckets[-1]}")
+    return out
+
+
+def _dummy_drafter_cfg(model_config):
+  from jaxsys.models.drafter import DrafterConfig
+  return DrafterConfig.for_target(model_config)

@@ -1,0 +1,181 @@
+"""Online drafter training: a buffer of target features from recent rollouts, a jitted EAGLE
+train step, a background "spot" trainer for the long-tail phase, and orbax checkpoints.
+
+TLT trains the drafter on the hidden states the rollout already produced (no extra target
+forward), using only the last few RL steps so the drafter tracks the drifting policy, and runs
+the training while the rollout is in its long tail (most workers idle); the updated drafter is
+swapped into the engine between rollouts.
+
+Usage::
+
+  buffer = DrafterBuffer(max_steps=2)
+  buffer.add(step, result.sequences, result.features, result.prompt_lengths)
+  trainer = DrafterTrainer(drafter, lr=1e-3)
+  metrics = trainer.train(target, buffer, steps=50)
+  save_drafter(path, trainer.drafter); drafter = load_drafter(path, drafter.config)
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
+
+
+class DrafterBuffer:
+  """Sequences, target features and prompt lengths of the last ``max_steps`` RL steps."""
+
+  def __init__(self, max_steps: int = 2, seed: int = 0):
+    if max_steps < 1:
+      raise ConfigError(f"max_steps={max_steps} must be >= 1")
+    self.steps: collections.deque = collections.deque(maxlen=max_steps)
+    self.rng = np.random.default_rng(seed)
+    self._lock = threading.Lock()
+
+  def add(self, step: int, sequences, features, prompt_lengths):
+    items = [(np.asarray(s), np.asarray(f), int(p)) for s, f, p in zip(sequences, features, prompt_lengths)
+             if len(s) >= 2]
+    with self._lock:
+      self.steps.append((step, items))
+
+  def __len__(self):
+    return sum(len(items) for _, items in self.steps)
+
+  def sample(self, batch: int, seq_len: int):
+    """``tokens int[batch, seq_len]``, ``feats [batch, seq_len, embed]``, ``mask [batch, seq_len]``
+    (1 where the next token is a response token); sequences longer than seq_len are cut."""
+    with self._lock:
+      pool = [it for _, items in self.steps for it in items]
+    if not pool:
+      raise ConfigError("the drafter buffer is empty")
+    dim = pool[0][1].shape[-1]
+    tokens = np.zeros((batch, seq_len), np.int32)
+    feats = np.zeros((batch, seq_len, dim), np.float32)
+    mask = np.zeros((batch, seq_len), np.float32)
+    for i, j in enumerate(self.rng.integers(len(pool), size=batch)):
+      s, f, p = pool[j]
+      n = min(len(s), seq_len)
+      tokens[i, :n], feats[i, :n] = s[:n], f[:n]
+      mask[i, max(p - 1, 0):n - 1] = 1.0
+    return tokens, feats, mask
+
+
+class DrafterTrainer:
+  """Adam on the drafter's parameters only (the target's embedding/head stay frozen)."""
+
+  def __init__(self, drafter: EagleDrafter, *, lr: float = 1e-3, batch: int = 16, seq_len: int = 64,
+               weight_decay: float = 0.0):
+    if lr <= 0:
+      raise ConfigError(f"lr={lr} must be positive")
+    self.gdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
+    self.tx = optax.adamw(lr, weight_decay=weight_decay)
+    self.opt_state = self.tx.init(self.params)
+    self.batch, self.seq_len = batch, seq_len
+    self.steps_done = 0
+    self._step = jax.jit(self._train_step, static_argnums=(0, 1))
+
+  @property
+  def drafter(self) -> EagleDrafter:
+    return nnx.merge(self.gdef, self.params, self.rest)
+
+  @property
+  def state(self):
+    """The full drafter state (what ``RolloutEngine.set_drafter`` takes)."""
+    return nnx.split(self.drafter)[1]
+
+  def _train_step(self, gdef, tgdef, params, rest, opt_state, tstate, tokens, feats, mask):
+    target = nnx.merge(tgdef, tstate)
+
+    def loss_fn(p):
+      d = nnx.merge(gdef, p, rest)
+      return drafter_loss(d, target, tokens, feats, mask)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, dict(metrics, loss=loss)
+
+  def step(self, target, tokens, feats, mask):
+    if not getattr(self, "_checked", False):
+      check_compatible(self.drafter, target)
+      self._checked = True
+    tgdef, tstate = nnx.split(target)
+    self.params, self.opt_state, m = self._step(self.gdef, tgdef, self.params, self.rest, self.opt_state,
+                                                tstate, jnp.asarray(tokens), jnp.asarray(feats),
+                                                jnp.asarray(mask))
+    self.steps_done += 1
+    return m
+
+  def train(self, target, buffer: DrafterBuffer, steps: int, stop: threading.Event | None = None):
+    """Runs up to ``steps`` train steps on buffer samples; returns the last metrics (floats)."""
+    m = {}
+    for _ in range(steps):
+      if stop is not None and stop.is_set():
+        break
+      m = self.step(target, *buffer.sample(self.batch, self.seq_len))
+    return {k: float(v) for k, v in jax.device_get(m).items()}
+
+
+class SpotTrainer:
+  """Runs drafter train steps in a background thread while the rollout is in its long tail.
+
+  ``start(target)`` launches training (the engine's ``on_long_tail`` hook), ``stop()`` ends it
+  at the end of the rollout and returns the drafter state to swap into the engine.
+  """
+
+  def __init__(self, trainer: DrafterTrainer, buffer: DrafterBuffer, max_steps: int = 20):
+    self.trainer, self.buffer, self.max_steps = trainer, buffer, max_steps
+    self._thread = None
+    self._stop = threading.Event()
+    self.last_metrics: dict = {}
+    self.steps_per_rollout: list[int] = []
+
+  def start(self, target):
+    if self._thread is not None or len(self.buffer) == 0:
+      return
+    self._stop.clear()
+    before = self.trainer.steps_done
+
+    def run():
+      self.last_metrics = self.trainer.train(target, self.buffer, self.max_steps, self._stop) or self.last_metrics
+      self._done_steps = self.trainer.steps_done - before
+
+    self._done_steps = 0
+    self._thread = threading.Thread(target=run, daemon=True)
+    self._thread.start()
+
+  def stop(self):
+    if self._thread is None:
+      return None
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    self.steps_per_rollout.append(self._done_steps)
+    return self.trainer.state
+
+
+def save_drafter(path, drafter: EagleDrafter):
+  """Orbax checkpoint of the drafter's state at ``path`` (a new directory)."""
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(path)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, nnx.state(drafter))
+
+
+def load_drafter(path, config: DrafterConfig) -> EagleDrafter:
+  """Restores a drafter saved by ``save_drafter`` (shapes from ``config``)."""
+  import orbax.checkpoint as ocp
+  abstract = nnx.eval_shape(lambda: EagleDrafter(config, rngs=nnx.Rngs(0)))
+  gdef, abs_state = nnx.split(abstract)
+  with ocp.StandardCheckpointer() as ckpt:
+    state = ckpt.restore(os.path.abspath(path), abs_state)
+  return nnx.merge(gdef, state)

@@ -1,0 +1,341 @@
+"""Block-sparse flash attention (forward + backward) in Pallas, for Triton (GPU) and Mosaic (TPU).
+
+FlashAttention-2 (Dao 2023) over a *visit table*: program ``(batch, head, q block i)`` loops only
+over the kv blocks listed for row ``i`` of its head's table, with the online softmax
+``m' = max(m, rowmax s); l' = l e^{m-m'} + rowsum e^{s-m'}; acc' = acc e^{m-m'} + e^{s-m'} v``.
+Backward (Alg. 2): a dq kernel over the same table and a dk/dv kernel over the transposed table
+(per kv block, the q blocks that visit it), both recomputing ``p = exp(s - lse)``.
+
+Tables are int32 ``tab[Ht, n, W]`` rows ``[count, ids[V], classes[V], bits[V], 0...]`` (Ht = 1
+shared or one per query head): class 1 = block fully visible (no token mask), 2 = evaluate the
+token mask ``visible_fn(q_idx, q_pos, k_idx, head, bits) -> bool`` given by the caller; ``bits``
+carries per-block constants (e.g. block-sparse layout bits). On Triton the tables are ordinary
+blocked inputs; on TPU they are scalar-prefetched into SMEM (``PrefetchScalarGridSpec``).
+
+Layout: q/out ``[b, h, Tq, d]``, k/v ``[b, hk, Tk, d]`` with lengths padded to block multiples
+(the XLA twin is ``jaxsys.ops.attention.xla``; the wrapper is ``jaxsys.ops.attention.pallas``).
+Query head ``h`` reads kv head ``h // (heads // kv_heads)``; each program holds its kv head's
+full K/V rows and slices the visited tiles, so memory is linear in length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_F32 = jnp.float32
+BACKENDS = ("triton", "mosaic")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Kernel tile sizes. Hardware rules (checked by the compilers, not here): Triton wants powers
+  of two (>= 16 for dots); Mosaic wants ``block_q % 8 == 0`` and ``block_k % 128 == 0``."""
+  block_q: int = 128
+  block_k: int = 128
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelConfig:
+  """Static description of one call (shapes are the padded kernel shapes)."""
+  heads: int
+  kv_heads: int
+  table_heads: int               # 1 (shared table) or heads
+  visits: int                    # V: table slots per row
+  visits_t: int                  # V of the transposed table
+  block_q: int
+  block_k: int
+  scale: float
+  q_len: int                     # real (unpadded) lengths
+  kv_len: int
+  visible_fn: Callable[..., Any]  # (q_idx [bq,1], q_pos, k_idx [1,bk], head, bits) -> bool
+  backend: str = "triton"
+  interpret: bool = False
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
+    if self.heads % self.kv_heads:
+      raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
+
+  @property
+  def group(self) -> int:
+    return self.heads // self.kv_heads
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _table_reader(cfg: KernelConfig, tab_ref, head, row, visits):
+  """``read(kind, j)`` for kind in {"cnt", "idx", "cls", "bits"} of table row ``row``."""
+  th = head if cfg.table_heads > 1 else 0
+  base = {"cnt": 0, "idx": 1, "cls": 1 + visits, "bits": 1 + 2 * visits}
+
+  def read(kind, j=0):
+    col = base[kind] + j
+    if cfg.backend == "mosaic" and not cfg.interpret:
+      return tab_ref[th, row, col]                 # SMEM [Ht, n, W]
+    return tab_ref[col]                            # blocked row [W]
+  return read
+
+
+def _scalars(cfg: KernelConfig, scal_ref, b):
+  if cfg.backend == "mosaic" and not cfg.interpret:
+    return scal_ref[b, 0], scal_ref[b, 1]
+  return scal_ref[0], scal_ref[1]
+
+
+def _dot(a, b, trans_b=False):
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=_F32)
+
+
+def _dot_ta(a, b):
+  """``a^T b`` for a ``[m, k]``, b ``[m, n]``."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _mask_scores(cfg, s, cls, qi, qpos, ki, head, bits, qseg, kseg, kv_length):
+  """Sets invisible logits to -inf; class-1 (fully visible) blocks skip the token mask."""
+  vis = (ki < cfg.kv_len) & (ki < kv_length) & (qseg == kseg)
+  vis = vis & cfg.visible_fn(qi, qpos, ki, head, bits)
+  return jnp.where((cls == 1) | vis, s, -jnp.inf)
+
+
+# ----------------------------------------------------------------------------- forward kernel
+
+
+def _fwd_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref,
+                o_ref, lse_ref):
+  b, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = cfg.block_q, cfg.block_k
+  read = _table_reader(cfg, tab_ref, head, i, cfg.visits)
+  q_off, kv_length = _scalars(cfg, scal_ref, b)
+  q = q_ref[...]                                             # [bq, d]
+  qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  qseg = qseg_ref[...]                                       # [bq, 1]
+
+  def visit(j, carry):
+    m, l, acc = carry
+    kb = read("idx", j)
+    start = pl.multiple_of(kb * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]                           # [bk, d]
+    v = v_ref[pl.ds(start, bk), :]
+    s = _dot(q, k, trans_b=True) * cfg.scale                 # [bq, bk] f32
+    ki = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    s = _mask_scores(cfg, s, read("cls", j), qi, qi + q_off, ki, head, read("bits", j), qseg,
+                     kseg_ref[:, pl.ds(start, bk)], kv_length)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)        # all-masked rows stay finite
+    p = jnp.exp(s - m_safe)
+    corr = jnp.exp(m - m_safe)
+    l = l * corr + jnp.sum(p, axis=1, keepdims=True)
+    acc = acc * corr + _dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+  init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32),
+          jnp.zeros((bq, o_ref.shape[-1]), _F32))
+  m, l, acc = lax.fori_loop(0, read("cnt"), visit, init)
+  l_safe = jnp.where(l > 0, l, 1.0)
+  o_ref[...] = (acc / l_safe).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------- backward kernels
+
+
+def _dq_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref,
+               do_ref, lse_ref, delta_ref, dq_ref):
+  b, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = cfg.block_q, cfg.block_k
+  read = _table_reader(cfg, tab_ref, head, i, cfg.visits)
+  q_off, kv_length = _scalars(cfg, scal_ref, b)
+  q, do = q_ref[...], do_ref[...]
+  lse = lse_ref[...]
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)             # rows that see nothing: p = 0
+  delta = delta_ref[...]
+  qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  qseg = qseg_ref[...]
+
+  def visit(j, dq):
+    kb = read("idx", j)
+    start = pl.multiple_of(kb * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = _dot(q, k, trans_b=True) * cfg.scale
+    ki = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    s = _mask_scores(cfg, s, read("cls", j), qi, qi + q_off, ki, head, read("bits", j), qseg,
+                     kseg_ref[:, pl.ds(start, bk)], kv_length)
+    p = jnp.exp(s - lse)
+    ds = p * (_dot(do, v, trans_b=True) - delta)
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = lax.fori_loop(0, read("cnt"), visit, jnp.zeros(dq_ref.shape, _F32))
+  dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref,
+                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+  b, head, jb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = cfg.block_q, cfg.block_k
+  read = _table_reader(cfg, tab_ref, head, jb, cfg.visits_t)
+  q_off, kv_length = _scalars(cfg, scal_ref, b)
+  k, v = k_ref[...], v_ref[...]                              # [bk, d]
+  ki = jb * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  kseg = kseg_ref[...]                                       # [1, bk]
+
+  def visit(t, carry):
+    dk, dv = carry
+    ib = read("idx", t)
+    start = pl.multiple_of(ib * bq, bq)
+    q = q_ref[pl.ds(start, bq), :]
+    do = do_ref[pl.ds(start, bq), :]
+    lse = lse_ref[pl.ds(start, bq), :]
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    delta = delta_ref[pl.ds(start, bq), :]
+    qi = start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    s = _dot(q, k, trans_b=True) * cfg.scale
+    s = _mask_scores(cfg, s, read("cls", t), qi, qi + q_off, ki, head, read("bits", t),
+                     qseg_ref[pl.ds(start, bq), :], kseg, kv_length)
+    p = jnp.exp(s - lse)                                     # [bq, bk]
+    dv = dv + _dot_ta(p.astype(do.dtype), do)
+    ds = p * (_dot(do, v, trans_b=True) - delta)
+    dk = dk + _dot_ta(ds.astype(q.dtype), q)
+    return dk, dv
+
+  init = (jnp.zeros(dk_ref.shape, _F32), jnp.zeros(dv_ref.shape, _F32))
+  dk, dv = lax.fori_loop(0, read("cnt"), visit, init)
+  dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- pallas_call plumbing
+
+
+def _call(cfg: KernelConfig, kernel, name, grid, tab, scal, in_specs, arrays, out_specs, out_shape):
+  """One pallas_call; tables go to SMEM (scalar prefetch) on TPU, as blocked inputs elsewhere."""
+  ht = cfg.table_heads
+  row_axis = 2
+  if cfg.backend == "mosaic" and not cfg.interpret:
+    from jax.experimental.pallas import tpu as pltpu
+    shift = lambda spec: pl.BlockSpec(spec.block_shape, lambda *a, f=spec.index_map: f(*a[:3]))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=grid, in_specs=[shift(s) for s in in_specs],
+        out_specs=[shift(s) for s in out_specs])
+    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
+    return pl.pallas_call(functools.partial(kernel, cfg), out_shape=out_shape,
+                          grid_spec=grid_spec, compiler_params=params, name=name)(
+                              tab, scal, *arrays)
+  tab_spec = pl.BlockSpec((None, None, tab.shape[-1]),
+                          lambda b, h, r: (h if ht > 1 else 0, r, 0))
+  scal_spec = pl.BlockSpec((None, scal.shape[-1]), lambda b, h, r: (b, 0))
+  params = None
+  if cfg.backend == "triton" and not cfg.interpret:
+    from jax.experimental.pallas import triton as pltr
+    params = pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  del row_axis
+  return pl.pallas_call(functools.partial(kernel, cfg), out_shape=out_shape, grid=grid,
+                        in_specs=[tab_spec, scal_spec, *in_specs], out_specs=out_specs,
+                        compiler_params=params, interpret=cfg.interpret, name=name)(
+                            tab, scal, *arrays)
+
+
+def _specs(cfg: KernelConfig, tq: int, tk: int, d: int, dv: int):
+  g, bq, bk = cfg.group, cfg.block_q, cfg.block_k
+  return {
+      "q_blk": pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0)),
+      "o_blk": pl.BlockSpec((None, None, bq, dv), lambda b, h, i: (b, h, i, 0)),
+      "col_blk": pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)),
+      "k_all": pl.BlockSpec((None, None, tk, d), lambda b, h, i: (b, lax.div(h, g), 0, 0)),
+      "v_all": pl.BlockSpec((None, None, tk, dv), lambda b, h, i: (b, lax.div(h, g), 0, 0)),
+      "qseg_blk": pl.BlockSpec((None, bq, 1), lambda b, h, i: (b, i, 0)),
+      "kseg_all": pl.BlockSpec((None, 1, tk), lambda b, h, i: (b, 0, 0)),
+      # dk/dv kernel: grid over kv blocks, full rows of q-side arrays
+      "q_all": pl.BlockSpec((None, None, tq, d), lambda b, h, j: (b, h, 0, 0)),
+      "do_all": pl.BlockSpec((None, None, tq, dv), lambda b, h, j: (b, h, 0, 0)),
+      "col_all": pl.BlockSpec((None, None, tq, 1), lambda b, h, j: (b, h, 0, 0)),
+      "k_blk": pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, lax.div(h, g), j, 0)),
+      "v_blk": pl.BlockSpec((None, None, bk, dv), lambda b, h, j: (b, lax.div(h, g), j, 0)),
+      "dk_blk": pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, h, j, 0)),
+      "dv_blk": pl.BlockSpec((None, None, bk, dv), lambda b, h, j: (b, h, j, 0)),
+      "qseg_all": pl.BlockSpec((None, tq, 1), lambda b, h, j: (b, 0, 0)),
+      "kseg_blk": pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j)),
+  }
+
+
+def _forward(cfg, tab, scal, q, k, v, qseg, kseg):
+  b, h, tq, d = q.shape
+  tk, dv = k.shape[2], v.shape[-1]
+  sp = _specs(cfg, tq, tk, d, dv)
+  out_shape = [jax.ShapeDtypeStruct((b, h, tq, dv), q.dtype),
+               jax.ShapeDtypeStruct((b, h, tq, 1), _F32)]
+  return _call(cfg, _fwd_kernel, "flash_attention_fwd", (b, h, tq // cfg.block_q), tab, scal,
+               [sp["q_blk"], sp["k_all"], sp["v_all"], sp["qseg_blk"], sp["kseg_all"]],
+               [q, k, v, qseg, kseg], [sp["o_blk"], sp["col_blk"]], out_shape)
+
+
+def _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse):
+  b, h, tq, d = q.shape
+  tk, dv = k.shape[2], v.shape[-1]
+  sp = _specs(cfg, tq, tk, d, dv)
+  # delta_i = rowsum(dO * O) - dlse_i: d lse / d s = p folds the lse cotangent into delta.
+  delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1, keepdims=True) - dlse
+  dq = _call(cfg, _dq_kernel, "flash_attention_bwd_dq", (b, h, tq // cfg.block_q), tab, scal,
+             [sp["q_blk"], sp["k_all"], sp["v_all"], sp["qseg_blk"], sp["kseg_all"],
+              sp["o_blk"], sp["col_blk"], sp["col_blk"]],
+             [q, k, v, qseg, kseg, do, lse, delta], [sp["q_blk"]],
+             [jax.ShapeDtypeStruct(q.shape, q.dtype)])[0]
+  # dk/dv per query head (f32), summed over each kv head's query group afterwards.
+  dk, dvv = _call(cfg, _dkdv_kernel, "flash_attention_bwd_dkdv", (b, h, tk // cfg.block_k),
+                  tab_t, scal,
+                  [sp["q_all"], sp["k_blk"], sp["v_blk"], sp["qseg_all"], sp["kseg_blk"],
+                   sp["do_all"], sp["col_all"], sp["col_all"]],
+                  [q, k, v, qseg, kseg, do, lse, delta], [sp["dk_blk"], sp["dv_blk"]],
+                  [jax.ShapeDtypeStruct((b, h, tk, d), _F32),
+                   jax.ShapeDtypeStruct((b, h, tk, dv), _F32)])
+  hk = cfg.kv_heads
+  dk = dk.reshape(b, hk, cfg.group, tk, d).sum(2).astype(k.dtype)
+  dvv = dvv.reshape(b, hk, cfg.group, tk, dv).sum(2).astype(v.dtype)
+  return dq, dk, dvv
+
+
+def flash_attention(cfg: KernelConfig, tab, tab_t, scal, q, k, v, qseg, kseg):
+  """``(out [b, h, Tq, dv], lse [b, h, Tq, 1] f32)``; differentiable in q, k, v (and via lse).
+
+  Args:
+    tab, tab_t: int32 visit tables ``[Ht, nq, W]`` / transposed ``[Ht, nk, W_t]``.
+    scal: int32 ``[b, 2]`` = (q_offset, kv_length) per batch row.
+    q ``[b, h, Tq, d]``, k ``[b, hk, Tk, d]``, v ``[b, hk, Tk, dv]`` padded to block multiples.
+    qseg ``[b, Tq, 1]``, kseg ``[b, 1, Tk]`` int32 segment ids (equal ids attend).
+  """
+
+  @jax.custom_vjp
+  def attn(q, k, v):
+    return _forward(cfg, tab, scal, q, k, v, qseg, kseg)
+
+  def fwd(q, k, v):
+    out, lse = _forward(cfg, tab, scal, q, k, v, qseg, kseg)
+    return (out, lse), (q, k, v, out, lse)
+
+  def bwd(res, cts):
+    q, k, v, out, lse = res
+    do, dlse = cts
+    return _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse)
+
+  attn.defvjp(fwd, bwd)
+  return attn(q, k, v)

@@ -1,0 +1,93 @@
+"""Engine: dense and LServe decode equal a full forward; continuous batching; rejection; CLI."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.models.decoder import random_model
+from jaxsys.serving import Engine, EngineConfig
+from jaxsys.serving.lserve import LServeConfig
+
+SMALL = dict(page_size=8, logical_page_size=4, sink=4, window=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2)
+  return random_model(cfg, seed=0)
+
+
+def _prompts(lengths=(37, 20, 50), seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 64, n).tolist() for n in lengths]
+
+
+def _dense_engine(model):
+  return Engine(model, EngineConfig(lserve=LServeConfig(dense=True, token_budget=64, **SMALL),
+                                    max_batch=2, num_pages=24, max_seq_len=80))
+
+
+def test_dense_and_lserve_decode_equal_full_forward(model):
+  prompts, news = _prompts(), [4, 7, 5]  # 3 requests, 2 slots: the third joins when one leaves
+  dense = _dense_engine(model)
+  r1 = dense.generate(prompts, news, return_logits=True, stop_tokens=())
+  # LServe with budget >= context and no streaming heads, chunked prefill: exact as well
+  ls = Engine(model, EngineConfig(lserve=LServeConfig(token_budget=64, **SMALL), max_batch=2,
+                                  num_pages=24, max_seq_len=80, prefill_chunk=32))
+  r2 = ls.generate(prompts, news, return_logits=True, stop_tokens=())
+  assert [len(t) for t in r1.tokens] == news and r1.tokens == r2.tokens
+  for i, p in enumerate(prompts):
+    full = np.asarray(model(jnp.asarray([p + r1.tokens[i]]))[0])[len(p) - 1:len(p) - 1 + news[i]]
+    np.testing.assert_allclose(r1.logits[i], full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(r2.logits[i], r1.logits[i], atol=1e-5, rtol=1e-5)
+  for e in (dense, ls):  # every page went back to the pool
+    assert e.cache.alloc.num_free == 24 and not e.cache.seqs
+
+
+def test_rejects_request_it_cannot_hold_without_disturbing_others(model):
+  prompts = _prompts((30, 90, 12), seed=1)
+  res = _dense_engine(model).generate(prompts, 5, stop_tokens=())
+  assert res.errors[0] is None and res.errors[2] is None
+  assert "max_seq_len=80" in res.errors[1] and res.tokens[1] == []
+  alone = _dense_engine(model).generate([prompts[0], prompts[2]], 5, stop_tokens=())
+  assert [res.tokens[0], res.tokens[2]] == alone.tokens
+
+
+def test_streaming_engine_and_config_errors(model, tmp_path):
+  flags = [[False, True], [True, False]]
+  e = Engine(model, EngineConfig(lserve=LServeConfig(token_budget=24, **SMALL), max_batch=2,
+                                 num_pages=24, max_seq_len=80), streaming=flags)
+  res = e.generate(_prompts((40, 25)), 6, stop_tokens=())
+  assert [len(t) for t in res.tokens] == [6, 6]
+  assert e.cache_config.streaming_heads(0).tolist() == [1]
+  with pytest.raises(ConfigError, match="max_seq_len=4096"):
+    EngineConfig(num_pages=8, max_seq_len=4096)
+  with pytest.raises(ConfigError, match="streaming flags"):
+    Engine(model, EngineConfig(lserve=LServeConfig(token_budget=24, **SMALL), num_pages=24,
+                               max_seq_len=80), streaming=[[True]])
+
+
+def test_cli_serves_a_prompt_file(model, tmp_path, capsys):
+  from jaxsys.serving import cli
+  prompts = _prompts((30, 12), seed=1)
+  f = tmp_path / "prompts.jsonl"
+  f.write_text(json.dumps(prompts[0]) + "\n" + json.dumps({"tokens": prompts[1], "max_new_tokens": 3}) + "\n")
+  out = tmp_path / "out.jsonl"
+  args = ["--prompts", str(f), "--model", "random", "--dense", "--page-size", "8", "--logical-page", "4",
+          "--budget", "64", "--max-batch", "2", "--num-pages", "24", "--max-seq-len", "80",
+          "--max-new-tokens", "5", "--out", str(out)]
+  assert cli.main(args) == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  ref = _dense_engine(model).generate(prompts, [5, 3])
+  assert [r["tokens"] for r in rows] == ref.tokens
+  bad = tmp_path / "bad.txt"
+  bad.write_text("1 2 x\n")
+  assert cli.main(["--prompts", str(bad), "--model", "random"]) == 2
+  assert cli.main(args[:-2] + ["--budget", "60"]) == 2  # not a multiple of the page size
+  assert "must be a positive multiple of page_size=8" in capsys.readouterr().err
