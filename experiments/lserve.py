@@ -31,6 +31,7 @@ from jaxsys.serving.paged_cache import PagedCacheConfig
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGE, LOGICAL, BUDGET, REUSE, SINK, WINDOW = 64, 16, 4096, 4, 64, 256
+ACC_CTX, GATE_CTX = 1024, 512  # passkey evaluation / gate-learning lengths (tiny model)
 
 
 def _cache_config(ctx: int, streaming_fraction: float = 0.5) -> PagedCacheConfig:
@@ -136,6 +137,138 @@ def memory_rows(ctx: int = 65536) -> list[Row]:
               note="ratio = dense/LServe int8 (per-token scales)")]
 
 
+def prefill_rows(quick: bool) -> list[Row]:
+  """(b) one attention call with the hybrid per-head mask vs dense causal, and its ideal."""
+  from jaxsys.ops import attention, masks
+  from jaxsys.ops.attention import layout as layout_lib
+  heads, kv = (8, 2) if quick else (HEADS, KV_HEADS)
+  lengths = (4096,) if quick else (8192, 16384, 32768)
+  stream = masks.Sink(SINK) | masks.Local(WINDOW)
+  g = heads // kv
+  hybrid = masks.MultiHead([masks.Causal() if h // g < kv // 2 else stream for h in range(heads)])
+  rows = []
+  for t in lengths:
+    key = jax.random.PRNGKey(t)
+    q = jax.random.normal(key, (1, t, heads, HEAD_DIM), jnp.float32)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (1, t, kv, HEAD_DIM), jnp.float32)
+    v = jax.random.normal(jax.random.fold_in(key, 2), (1, t, kv, HEAD_DIM), jnp.float32)
+    dense = jax.jit(lambda q, k, v: attention(q, k, v, mask=masks.Causal(), impl="xla"))
+    ours = jax.jit(lambda q, k, v: attention(q, k, v, mask=hybrid, impl="xla"))
+    t_dense = time_fn(dense, q, k, v, iters=2, warmup=1).ms
+    t_ours = time_fn(ours, q, k, v, iters=2, warmup=1).ms
+    lay = lambda m: layout_lib.compile_layout(m, heads=heads, q_len=t, kv_len=t, block_q=512,
+                                              block_k=512, q_offset=0).density
+    ideal = lay(masks.Causal()) / np.mean([lay(m) for m in hybrid.masks])
+    rows.append(Row(f"prefill attention time @{t // 1024}K ({heads}/{kv} heads)", "ms", ours=t_ours,
+                    baseline=t_dense, baseline_name="dense causal", ideal=ideal,
+                    goal=">= 0.5 of ideal", note="50% streaming heads, one block-sparse call, 512x512 blocks"))
+    print(f"  prefill {t}: dense {t_dense:.0f} ms, hybrid {t_ours:.0f} ms, ideal {ideal:.2f}", flush=True)
+  return rows
+
+
+def engine_rows(quick: bool) -> list[Row]:
+  """(d) end-to-end decode tokens/s of the engine, dense vs LServe (random weights)."""
+  from jaxsys.models._decoder_config import DecoderConfig
+  from jaxsys.models.decoder import random_model
+  from jaxsys.serving import Engine, EngineConfig
+  ctx = 4096 if quick else 32768
+  new = 16 if quick else 32
+  mc = DecoderConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_layers=2,
+                     num_heads=KV_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     max_position_embeddings=2 * ctx)
+  model = random_model(mc, seed=0)
+  prompt = np.random.default_rng(0).integers(0, 256, ctx - 1).tolist()
+  flags = [[h >= KV_HEADS // 2 for h in range(KV_HEADS)]] * mc.num_layers
+  tps = {}
+  for name, ls, streaming in (("dense", lserve.LServeConfig(dense=True), None),
+                              ("lserve", lserve.LServeConfig(), flags)):
+    cfg = EngineConfig(lserve=ls, max_batch=1, num_pages=(ctx + 2 * new) // PAGE + 2,
+                       max_seq_len=ctx + 2 * new, prefill_chunk=ctx)
+    eng = Engine(model, cfg, streaming=streaming)
+    eng.generate([prompt[:64]], 2 * ls.reuse_steps, stop_tokens=())  # compile the decode steps
+    res = eng.generate([prompt], new, stop_tokens=())
+    tps[name] = res.decode_tokens_per_second
+    print(f"  engine {name}: {tps[name]:.1f} tok/s (prefill {res.prefill_seconds:.1f} s)", flush=True)
+  db, ob = decode_bytes(ctx)
+  return [Row(f"engine decode tokens/s @{ctx // 1024}K", "tokens/s", ours=tps["lserve"],
+              baseline=tps["dense"], baseline_name="dense engine", ratio=tps["lserve"] / tps["dense"],
+              ideal=db / ob, note="ratio = LServe/dense tokens/s; 2-layer random model, 8 kv heads x 128, "
+              "weights and MLP included (ideal counts attention bytes only)")]
+
+
+def passkey_data(n: int, length: int, seed: int):
+  """Passkey examples and the distillation data ``(tokens, answer_mask)`` for gate learning."""
+  from jaxsys.data import synthetic
+  exs = synthetic.examples("passkey", seed, n, length)
+  t = max(len(e.tokens) for e in exs)
+  tokens = np.zeros((n, t), np.int32)
+  mask = np.zeros((n, t), bool)
+  for i, e in enumerate(exs):
+    tokens[i, :len(e.tokens)] = e.tokens
+    mask[i, len(e.prompt) - 1:len(e.tokens) - 1] = True  # states that predict the answer
+  return exs, (tokens, mask)
+
+
+def _accuracy(model, exs, ls, streaming, max_batch=8) -> float:
+  from jaxsys.data import synthetic
+  from jaxsys.serving import Engine, EngineConfig
+  longest = max(len(e.prompt) for e in exs) + 8
+  cfg = EngineConfig(lserve=ls, max_batch=max_batch, max_seq_len=longest,
+                     num_pages=max_batch * (-(-longest // ls.page_size)) + 1,
+                     prefill_chunk=1 << (longest - 1).bit_length())
+  res = Engine(model, cfg, streaming=streaming).generate([list(e.prompt) for e in exs],
+                                                        len(exs[0].answer), stop_tokens=())
+  return 100.0 * float(np.mean([synthetic.reward(e, t) for e, t in zip(exs, res.tokens)]))
+
+
+def load_eval_model():
+  """The tiny trained retrieval model, or None (with the reason) if it is not available."""
+  try:
+    from jaxsys.models import load_tiny_lm
+    return load_tiny_lm(), None
+  except Exception as e:  # noqa: BLE001 - reported in the result rows
+    return None, f"{type(e).__name__}: {e}"
+
+
+def accuracy_rows(quick: bool, out) -> list[Row]:
+  """(e) passkey accuracy: dense, streaming-only, page-selection-only, LServe (scaled settings)."""
+  from jaxsys.serving.streaming import identify_streaming_heads
+  model, why = load_eval_model()
+  if model is None:
+    return [Row("passkey accuracy (tiny model)", "%", ours=None, note=f"not measured: {why}")]
+  ctx = ACC_CTX
+  page, lps, sink, window = 16, 4, 16, 64
+  n = 32 if quick else 128
+  exs, _ = passkey_data(n, ctx, seed=7)
+  _, train = passkey_data(32 if quick else 64, GATE_CTX, seed=11)
+  gates = identify_streaming_heads(model, train, sink=sink, window=window, sparsity=0.5,
+                                   steps=30 if quick else 100, batch_size=4)
+  (out / "gates.json").write_text(__import__("json").dumps(
+      {"alpha": gates.alpha, "streaming": gates.streaming}))
+  base = dict(page_size=page, logical_page_size=lps, sink=sink, window=window)
+  full_budget = -(-(ctx + 16) // page) * page
+  dense = _accuracy(model, exs, lserve.LServeConfig(dense=True, token_budget=full_budget, **base), None)
+  rows = [Row(f"passkey accuracy @{ctx} dense", "%", ours=dense, note=f"{n} examples")]
+  stream = _accuracy(model, exs, lserve.LServeConfig(token_budget=full_budget, **base), gates.streaming)
+  rows.append(Row(f"passkey accuracy @{ctx} streaming-only (50% heads)", "%", ours=stream, baseline=dense,
+                  baseline_name="dense", ratio=stream - dense, note="ratio = points vs dense"))
+  fractions = (8, 4) if quick else (16, 8, 4)
+  for frac in fractions:
+    budget = ctx // frac
+    for name, ls, flags in (
+        ("page-selection-only", lserve.LServeConfig(token_budget=budget, **base), None),
+        ("page-selection-only, flat 16-token pages",
+         lserve.LServeConfig(token_budget=budget, **{**base, "logical_page_size": page}), None),
+        ("LServe", lserve.LServeConfig(token_budget=budget, **base), gates.streaming)):
+      acc = _accuracy(model, exs, ls, flags)
+      goal = ">= -2" if (name == "LServe" and frac == 4) else None
+      rows.append(Row(f"passkey accuracy @{ctx} {name}, budget {budget} (1/{frac})", "%", ours=acc,
+                      baseline=dense, baseline_name="dense", ratio=acc - dense, goal=goal,
+                      note="ratio = points vs dense"))
+      print(f"  accuracy {name} budget {budget}: {acc:.1f}% (dense {dense:.1f}%)", flush=True)
+  return rows
+
+
 def _plot(curve, out):
   import matplotlib
   matplotlib.use("Agg")
@@ -164,10 +297,9 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   rows, curve = bench_decode(contexts, iters)
   _plot(curve, out)
   rows += memory_rows()
-  from experiments import lserve_parts
-  rows += lserve_parts.prefill_rows(quick)
-  rows += lserve_parts.engine_rows(quick)
-  rows += lserve_parts.accuracy_rows(quick, out)
+  rows += prefill_rows(quick)
+  rows += engine_rows(quick)
+  rows += accuracy_rows(quick, out)
   write_result("lserve", rows, quick=quick, out_dir=out_dir,
                config={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page": PAGE,
                        "logical_page": LOGICAL, "budget": BUDGET, "reuse": REUSE, "sink": SINK,

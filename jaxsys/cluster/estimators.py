@@ -38,6 +38,13 @@ def _log(d: float) -> float:
   return math.log1p(max(d, 0.0))
 
 
+def single_thread():
+  """Limits OpenMP/BLAS to one thread: on a shared, oversubscribed CPU the default thread
+  pool of gradient boosting spins and runs orders of magnitude slower."""
+  from threadpoolctl import threadpool_limits
+  return threadpool_limits(limits=1)
+
+
 def _finished(jobs: Sequence[Job]) -> list[Job]:
   return [j for j in jobs if j.start is not None]
 
@@ -126,7 +133,8 @@ class GBEstimator:
     cat_mask = [False] * (x.shape[1] - ncat) + [True] * ncat
     x[:, -ncat:] = np.where(x[:, -ncat:] < 0, np.nan, x[:, -ncat:])
     self.model = HistGradientBoostingRegressor(categorical_features=cat_mask, **self.params)
-    self.model.fit(x, y)
+    with single_thread():
+      self.model.fit(x, y)
     return self
 
   def _x(self, jobs: Sequence[Job]) -> np.ndarray:
@@ -145,7 +153,8 @@ class GBEstimator:
       raise ConfigError("GBEstimator.predict called before fit")
     if use_cache and all(j.id in self.cache for j in jobs):
       return np.array([self.cache[j.id] for j in jobs])
-    return self.model.predict(self._x(jobs))
+    with single_thread():
+      return self.model.predict(self._x(jobs))
 
   def predict(self, job: Job) -> float:
     return float(math.expm1(self.predict_log([job])[0]))

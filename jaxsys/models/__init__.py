@@ -14,5 +14,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "from_pretrained": "hf", "from_hf_model": "hf", "save_pretrained": "hf",
     "random_model": "hf", "config_from_hf": "hf", "config_to_hf": "hf",
     "hf_state_dict": "hf", "load_state_dict": "hf",
-    "load_tiny_lm": "tiny", "TINY_LM_PATH": "tiny",
+    "load_tiny_lm": "tiny", "TINY_LM_PATH": "tiny", "exact_match": "tiny",
 })

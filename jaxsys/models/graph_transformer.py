@@ -49,6 +49,7 @@ class GraphTransformerConfig:
   input_dropout: float = 0.6
   max_degree: int = 64
   degree_encoding: bool = True
+  attn_residual: bool = True  # False: h = Attn(LN(h)) (GAT-like; helps tiny-label graphs like Cora)
   task: str = "node"
   attention: str = "dual"  # "sparse" | "dense" | "dual"
   topology: str = "sparse"  # how topology attention runs: "sparse" | "reformed" | "block"
@@ -97,9 +98,11 @@ class EncoderLayer(nnx.Module):
     self.ff1 = nnx.Linear(d, cfg.ffn_mult * d, rngs=rngs)
     self.ff2 = nnx.Linear(cfg.ffn_mult * d, d, rngs=rngs)
     self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+    self.residual = cfg.attn_residual
 
   def __call__(self, h, inputs: GraphInputs, mode: str, attention_fn=None):
-    h = h + self.drop(self.attn(self.norm1(h), inputs, mode=mode, attention_fn=attention_fn))
+    a = self.drop(self.attn(self.norm1(h), inputs, mode=mode, attention_fn=attention_fn))
+    h = h + a if self.residual else a
     return h + self.drop(self.ff2(self.drop(jax.nn.gelu(self.ff1(self.norm2(h))))))
 
 

@@ -64,21 +64,24 @@ def _check_qkv(q, k, v):
       raise ShapeError(f"{name} must be [nodes, heads, head_dim], got shape {getattr(x, 'shape', None)}")
   if k.shape != v.shape[:2] + (k.shape[2],) or k.shape[:2] != v.shape[:2]:
     raise ShapeError(f"k {k.shape} and v {v.shape} must share [nodes, heads]")
-  if q.shape[1:] != k.shape[1:] or q.shape[0] != k.shape[0]:
-    raise ShapeError(f"q {q.shape} and k {k.shape} must share [nodes, heads, head_dim] (self-attention over one node set)")
+  if q.shape[1:] != k.shape[1:]:
+    raise ShapeError(f"q {q.shape} and k {k.shape} must share [heads, head_dim]")
 
 
-def _check_edge_index(senders, receivers, num_nodes):
-  if senders.ndim != 1 or senders.shape != receivers.shape:
-    raise ShapeError(f"senders {senders.shape} and receivers {receivers.shape} must be 1-D of equal length")
-  if not (jnp.issubdtype(senders.dtype, jnp.integer) and jnp.issubdtype(receivers.dtype, jnp.integer)):
-    raise ShapeError(f"senders/receivers must be integer arrays, got {senders.dtype}, {receivers.dtype}")
-  for name, x in (("senders", senders), ("receivers", receivers)):
-    if isinstance(x, jax.core.Tracer) or x.size == 0:
-      continue
-    lo, hi = int(jnp.min(x)), int(jnp.max(x))
-    if lo < 0 or hi >= num_nodes:
-      raise InputError(f"{name} must lie in [0, num_nodes={num_nodes}), got range [{lo}, {hi}]")
+def _check_self(q, k):
+  if q.shape[0] != k.shape[0]:
+    raise ShapeError(f"q {q.shape} and k {k.shape} must have the same node count for this path")
+
+
+def _check_index(name, x, num_nodes):
+  """Integer index vector in ``[0, num_nodes)`` (range checked when concrete, i.e. outside jit)."""
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ShapeError(f"{name} must be an integer array, got {x.dtype}")
+  if isinstance(x, jax.core.Tracer) or x.size == 0:
+    return
+  lo, hi = int(jnp.min(x)), int(jnp.max(x))
+  if lo < 0 or hi >= num_nodes:
+    raise InputError(f"{name} must lie in [0, num_nodes={num_nodes}), got range [{lo}, {hi}]")
 
 
 def _impl(impl):
@@ -101,7 +104,7 @@ def _edge_logits(q, k, senders, receivers, scale):
 
 
 def _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_):
-  n = q.shape[0]
+  n = q.shape[0]  # queries; keys may be a different (e.g. halo-extended) node set
   s = _edge_logits(q, k, senders, receivers, scale)  # [E, H]
   m = jax.ops.segment_max(s, receivers, n, indices_are_sorted=sorted_)  # [N, H]
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -129,7 +132,7 @@ def _sparse_bwd(scale, sorted_, res, cts):
   """Flash-style edge backward: p = exp(s - lse[r]); ds = p (dout_r . v_s - delta_r + dlse_r)."""
   q, k, v, senders, receivers, out, lse = res
   dout, dlse = cts
-  n = q.shape[0]
+  n, nk = q.shape[0], k.shape[0]
   dout = dout.astype(jnp.float32)
   s = _edge_logits(q, k, senders, receivers, scale)
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -138,10 +141,10 @@ def _sparse_bwd(scale, sorted_, res, cts):
   dout_e = dout[receivers]  # [E, H, D]
   dp = jnp.sum(dout_e * v[senders].astype(jnp.float32), axis=-1)  # [E, H]
   ds = p * (dp - delta[receivers] + dlse[receivers]) * scale  # [E, H]
-  dv = jax.ops.segment_sum(p[..., None] * dout_e, senders, n)
+  dv = jax.ops.segment_sum(p[..., None] * dout_e, senders, nk)
   dq = jax.ops.segment_sum(ds[..., None] * k[senders].astype(jnp.float32), receivers, n,
                            indices_are_sorted=sorted_)
-  dk = jax.ops.segment_sum(ds[..., None] * q[receivers].astype(jnp.float32), senders, n)
+  dk = jax.ops.segment_sum(ds[..., None] * q[receivers].astype(jnp.float32), senders, nk)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
 
 
@@ -153,14 +156,19 @@ def sparse_graph_attention(q, k, v, senders, receivers, *, scale=None, impl: str
   """Attention over edges, equation (1): query ``receivers[e]`` reads key ``senders[e]``.
 
   Args:
-    q, k, v: ``[nodes, heads, head_dim]``.
-    senders, receivers: ``int[edges]`` in ``[0, nodes)`` (checked outside jit).
+    q: ``[nodes, heads, head_dim]``; k, v: ``[key_nodes, heads, head_dim]`` (usually the same
+      nodes; a graph-parallel shard passes local + halo keys).
+    senders: ``int[edges]`` in ``[0, key_nodes)``; receivers in ``[0, nodes)`` (checked
+      outside jit).
     indices_are_sorted: receivers are sorted (true for ``jaxsys.graphs`` datasets).
   Returns ``out [nodes, heads, head_dim]`` (and float32 ``lse [nodes, heads]``).
   """
   _check_qkv(q, k, v)
   senders, receivers = jnp.asarray(senders), jnp.asarray(receivers)
-  _check_edge_index(senders, receivers, q.shape[0])
+  if senders.ndim != 1 or senders.shape != receivers.shape:
+    raise ShapeError(f"senders {senders.shape} and receivers {receivers.shape} must be 1-D of equal length")
+  _check_index("senders", senders, k.shape[0])
+  _check_index("receivers", receivers, q.shape[0])
   impl = _impl(impl)
   if impl in ("pallas", "pallas_interpret"):
     raise NotImplementedError(
@@ -308,6 +316,7 @@ def tile_graph_attention(q, k, v, tiles: GraphTiles, *, scale=None, impl: str = 
   concrete tiles). Returns ``out [N, H, D]`` (and ``lse [N, H]``).
   """
   _check_qkv(q, k, v)
+  _check_self(q, k)
   rows, cols, bits = tiles
   if bits.ndim != 3 or bits.shape[1] != bits.shape[2] or rows.shape != cols.shape or rows.shape[0] != bits.shape[0]:
     raise ShapeError(f"tiles must be rows/cols [T] and bits [T, B, B], got {rows.shape}, {cols.shape}, {bits.shape}")
@@ -375,6 +384,7 @@ def dense_graph_attention(q, k, v, *, segment_ids=None, node_mask=None, scale=No
   ``node_mask bool[N]``: False nodes (padding) are invisible as keys.
   """
   _check_qkv(q, k, v)
+  _check_self(q, k)
   from jaxsys.ops.attention import attention
   n = q.shape[0]
   seg = jnp.zeros((n,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)

@@ -111,3 +111,30 @@ def pad_seq(x, target: int, axis: int = 1, value=0):
   widths[axis] = (0, target - n)
   xp = np if isinstance(x, np.ndarray) else jnp
   return xp.pad(x, widths, constant_values=value)
+
+
+def shifted_lm_batch(tokens, ring_size: int = 1, *, loss_mask=None, positions=None,
+                     segment_ids=None, layout: str = "zigzag") -> dict:
+  """Next-token batch whose fields survive a token reorder: ``inputs``/``targets`` pairs.
+
+  ``tokens int[b, L+1]`` -> ``inputs = tokens[:, :-1]``, ``targets = tokens[:, 1:]`` (and
+  ``loss_mask``, ``positions``, ``segment_ids`` aligned with the inputs), then zigzag-reordered
+  for ``ring_size`` once, here in the input pipeline. A target in another packed segment than
+  its input is masked out.
+  """
+  xp = np if isinstance(tokens, np.ndarray) else jnp
+  b, t = tokens.shape
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  mask = xp.ones((b, t - 1), xp.float32) if loss_mask is None else loss_mask[:, 1:].astype(xp.float32)
+  if positions is None:
+    positions = xp.broadcast_to(xp.arange(t - 1, dtype=xp.int32), (b, t - 1))
+  else:
+    positions = positions[:, :-1]
+  batch = {"inputs": inputs, "targets": targets, "positions": positions}
+  if segment_ids is not None:
+    mask = mask * (segment_ids[:, 1:] == segment_ids[:, :-1])
+    batch["segment_ids"] = segment_ids[:, :-1]
+  batch["loss_mask"] = mask
+  if layout == "zigzag" and ring_size > 1:
+    batch = zigzag_batch(batch, ring_size)
+  return batch

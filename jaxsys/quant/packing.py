@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ def code_range(bits: int, signed: bool) -> tuple[int, int]:
   return (-q, q) if signed else (0, q)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def pack_rows(codes, bits: int, signed: bool):
   """Packs integer codes ``[n, F]`` of one bitwidth into uint32 words ``[n, W]`` (field-major)."""
   n, f = codes.shape
@@ -52,6 +54,7 @@ def pack_rows(codes, bits: int, signed: bool):
   return jnp.sum(stored << shifts, axis=1, dtype=jnp.uint32)  # fields are disjoint: sum == or
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def unpack_rows(words, bits: int, num_features: int, signed: bool):
   """Inverse of ``pack_rows``: uint32 ``[..., W]`` -> int32 codes ``[..., F]``."""
   v = fields_per_word(bits)

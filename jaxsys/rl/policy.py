@@ -25,13 +25,13 @@ from jaxsys.models.decoder import Decoder
 from jaxsys.rl import tasks as tasks_lib
 
 
-def policy_config(hidden: int = 128, layers: int = 4) -> DecoderConfig:
+def policy_config(hidden: int = 64, layers: int = 4) -> DecoderConfig:
   return DecoderConfig(vocab_size=tasks_lib.VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                        num_layers=layers, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
                        eos_token_id=tasks_lib.EOS, bos_token_id=tasks_lib.BOS)
 
 
-def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, batch: int = 32,
+def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, batch: int = 16,
                     lr: float = 3e-3, seed: int = 0, sampler: tasks_lib.TaskSampler | None = None):
   """Teacher-forced warm-up on task examples; returns ``(model, final_loss)``."""
   config = config or policy_config()

@@ -186,12 +186,14 @@ class RolloutEngine:
   # ---- rollout ---------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                on_long_tail: Callable[[], None] | None = None,
-               force_strategy: Strategy | None = None) -> RolloutResult:
+               force_strategy: Strategy | None = None,
+               speculative: bool | None = None) -> RolloutResult:
     """Generates for every prompt; see the module docstring.
 
     ``on_long_tail`` is called once when speculation first switches on (e.g. to start drafter
     training on idle resources); ``force_strategy`` bypasses the bandit and speculates from the
-    first step (for measurements at a fixed batch size).
+    first step (for measurements at a fixed batch size); ``speculative=False`` runs this call
+    as the vanilla baseline (same executables and loop, no drafting).
     """
     c = self.config
     if force_strategy is not None and (force_strategy.depth > c.max_depth or
@@ -199,6 +201,9 @@ class RolloutEngine:
       raise ConfigError(f"force_strategy {force_strategy.name} exceeds the engine's sizes "
                         f"(max_depth={c.max_depth}); add it to EngineConfig.strategies")
     arrs = self._check_prompts(prompts)
+    speculate = c.speculative if speculative is None else speculative
+    if speculate and self.dstate is None:
+      raise ConfigError("speculative decoding needs a drafter")
     n = len(arrs)
     b = bucket_of(n, c.batch_buckets)
     toks = np.zeros((b, c.max_prompt), np.int32)
@@ -234,7 +239,7 @@ class RolloutEngine:
         rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
         stats["shrinks"] += 1
         continue
-      want_spec = c.speculative and (force_strategy is not None or running < c.spec_threshold or
+      want_spec = speculate and (force_strategy is not None or running < c.spec_threshold or
                                      (spec_on and running < c.spec_threshold + c.hysteresis))
       if want_spec and not spec_on and on_long_tail is not None and not tail_called:
         on_long_tail()

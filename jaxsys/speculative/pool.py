@@ -28,14 +28,17 @@ from jaxsys.core.errors import ConfigError
 
 
 def executable_bytes(exe) -> int:
-  """Bytes the compiled executable plans for (generated code + temporaries), 0 if unknown."""
+  """Bytes the compiled executable holds or plans for while it runs (generated code, temporaries
+  and non-aliased outputs), 0 if the backend does not report them."""
   try:
     m = exe.memory_analysis()
   except Exception:  # pragma: no cover - backend without memory analysis
     return 0
   if m is None:
     return 0
-  return int(getattr(m, "generated_code_size_in_bytes", 0) + getattr(m, "temp_size_in_bytes", 0))
+  fields = ("generated_code_size_in_bytes", "temp_size_in_bytes", "output_size_in_bytes")
+  out = sum(int(getattr(m, f, 0)) for f in fields) - int(getattr(m, "alias_size_in_bytes", 0))
+  return max(out, 0)
 
 
 class ExecutablePool:

@@ -1,0 +1,196 @@
+"""TLT: speculative decoding in RL rollouts (adaptive drafter + adaptive rollout engine).
+
+Measures, on CPU with a tiny policy warmed up on the synthetic tasks (``jaxsys.rl.tasks``):
+
+1. mean accepted length and decode speedup vs batch size (1..32) for a chain and a tree strategy
+   (greedy, so the speculative output is also checked token for token against vanilla);
+2. acceptance of a drafter trained once vs one trained online while GRPO moves the policy;
+3. end-to-end GRPO step time with a long-tailed response length: TLT engine vs the same engine
+   without speculation, same seeds, interleaved in one process; reward curves overlaid.
+
+Run: ``python -m experiments.tlt --quick``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxsys.core.results import Row, run_dir, write_result
+
+NAME = "tlt"
+
+
+def _config(quick: bool) -> dict:
+  return dict(
+      policy_steps=300 if quick else 800,
+      drafter_warm_steps=150 if quick else 400,
+      batches=(1, 2, 4, 8, 16, 32),
+      span=(24, 32) if quick else (32, 40),
+      chain=(4, 1, 5), tree=(4, 3, 10),
+      grpo_steps=4 if quick else 10,
+      prompts_per_step=8, group_size=4,
+      long_fraction=0.15,
+      spot_steps=15 if quick else 40,
+      spec_threshold=8,
+      max_new=44,
+  )
+
+
+def run(quick: bool, out_dir: str) -> list[Row]:
+  import jax
+  from flax import nnx
+
+  from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+  from jaxsys.rl import grpo, policy as pol, tasks
+  from jaxsys.speculative import online
+  from jaxsys.speculative.bandit import Strategy
+  from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+  from jaxsys.speculative.sampling import GREEDY, SamplingParams
+
+  cfg = _config(quick)
+  out = run_dir(NAME, out_dir)
+  t_start = time.perf_counter()
+  log = {}
+
+  # ---- policy and initial drafter --------------------------------------------------------
+  policy = pol.cached_policy(str(out / "policy_ckpt"), steps=cfg["policy_steps"])
+  chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
+  base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=8,
+              stop_tokens=(tasks.EOS,), batch_buckets=(1, 2, 4, 8, 16, 32),
+              spec_threshold=cfg["spec_threshold"])
+  drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(1))
+  warm = RolloutEngine(policy, drafter, EngineConfig(**base, sampling=SamplingParams(1.0), speculative=False))
+  sampler = tasks.TaskSampler(long_fraction=0.3, seed=11)
+  buffer = online.DrafterBuffer(max_steps=2, seed=0)
+  res = warm.generate([list(e.prompt) for e in sampler.sample(32)], seed=123)
+  buffer.add(-1, res.sequences, res.features, res.prompt_lengths)
+  trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=16, seq_len=64)
+  log["drafter_warm"] = trainer.train(policy, buffer, cfg["drafter_warm_steps"])
+  drafter0 = trainer.drafter  # "trained once"
+  online.save_drafter(out / "drafter_ckpt" / f"warm_{int(time.time())}", drafter0)
+  print(f"[tlt] warm-up done in {time.perf_counter() - t_start:.0f}s: {log['drafter_warm']}")
+
+  # ---- 1) acceptance and speedup vs batch size (greedy, long responses) -------------------
+  spec_engine = RolloutEngine(policy, drafter0, EngineConfig(**base, sampling=GREEDY))
+  rng = np.random.default_rng(3)
+  long_sampler = tasks.TaskSampler(long_fraction=1.0, long_span=cfg["span"], add_fraction=0.0, seed=5)
+  rows, curve = [], {"batch": [], "chain_acc": [], "tree_acc": [], "chain_speedup": [], "tree_speedup": []}
+  identical = True
+  for b in cfg["batches"]:
+    prompts = [list(e.prompt) for e in long_sampler.sample(b, rng)]
+    times = {}
+    outs = {}
+    for name, strat in (("vanilla", None), ("chain", chain), ("tree", tree)):
+      spec_engine.generate(prompts, force_strategy=strat, speculative=strat is not None)  # warm-up
+      best = np.inf
+      for _ in range(2):
+        t0 = time.perf_counter()
+        r = (spec_engine.generate(prompts, force_strategy=strat) if strat else spec_engine.generate(prompts, speculative=False))
+        best = min(best, time.perf_counter() - t0)
+      times[name], outs[name] = best, r
+    identical &= outs["chain"].tokens == outs["vanilla"].tokens == outs["tree"].tokens
+    curve["batch"].append(b)
+    for name in ("chain", "tree"):
+      acc = outs[name].stats["mean_accepted"]
+      curve[f"{name}_acc"].append(acc + 1)  # tokens per target forward (accepted + bonus)
+      curve[f"{name}_speedup"].append(times["vanilla"] / times[name])
+      rows.append(Row(metric=f"{name} decode time @ batch {b}", unit="s", baseline=times["vanilla"],
+                      baseline_name="vanilla greedy", ours=times[name],
+                      note=f"accepted length {acc + 1:.2f} tokens/step"))
+    print(f"[tlt] batch {b}: {times} acc chain {curve['chain_acc'][-1]:.2f} tree {curve['tree_acc'][-1]:.2f}")
+  rows.append(Row(metric="greedy speculative output identical to vanilla (all batches, chain+tree)",
+                  unit="bool", ours=float(identical), goal=">= 1 (ours)"))
+
+  # ---- 2 + 3) GRPO: TLT (online drafter) vs vanilla, same seeds; frozen-drafter acceptance --
+  def make_trainer(speculative: bool):
+    pol_copy = nnx.merge(*nnx.split(policy))
+    eng = RolloutEngine(pol_copy, drafter0 if speculative else drafter0,
+                        EngineConfig(**base, sampling=SamplingParams(1.0), speculative=speculative))
+    tsamp = tasks.TaskSampler(long_fraction=cfg["long_fraction"], seed=7)
+    buf = online.DrafterBuffer(max_steps=2, seed=1)
+    spot = None
+    if speculative:
+      buf.add(-1, res.sequences, res.features, res.prompt_lengths)
+      dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter0)), lr=1e-3, batch=16, seq_len=64)
+      spot = online.SpotTrainer(dtr, buf, max_steps=cfg["spot_steps"])
+    tr = grpo.GRPOTrainer(pol_copy, eng, tsamp, grpo.GRPOConfig(
+        group_size=cfg["group_size"], prompts_per_step=cfg["prompts_per_step"], seed=0),
+        buffer=buf if speculative else None, spot=spot)
+    return tr, eng, spot
+
+  tlt, tlt_engine, spot = make_trainer(True)
+  van, van_engine, _ = make_trainer(False)
+  for e in (tlt_engine, van_engine):
+    e.precompile((1, 2, 4, 8, 16, 32))
+  eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(9))]
+  frozen_eval = RolloutEngine(policy, drafter0, EngineConfig(**base, sampling=GREEDY))
+  online_eval = RolloutEngine(policy, drafter0, EngineConfig(**base, sampling=GREEDY))
+  hist = {"tlt": [], "vanilla": [], "acc_frozen": [], "acc_online": []}
+  for step in range(cfg["grpo_steps"]):
+    for name, tr in (("vanilla", van), ("tlt", tlt)):  # interleaved: same machine load
+      m = tr.step()
+      m.pop("responses")
+      hist[name].append(m)
+    frozen_eval.set_weights(tlt.policy)
+    online_eval.set_weights(tlt.policy)
+    online_eval.set_drafter(tlt_engine.dstate)
+    hist["acc_frozen"].append(frozen_eval.generate(eval_prompts, force_strategy=chain).stats["mean_accepted"] + 1)
+    hist["acc_online"].append(online_eval.generate(eval_prompts, force_strategy=chain).stats["mean_accepted"] + 1)
+    print(f"[tlt] grpo step {step}: vanilla {hist['vanilla'][-1]['step_seconds']:.2f}s "
+          f"reward {hist['vanilla'][-1]['reward_mean']:.3f} | tlt {hist['tlt'][-1]['step_seconds']:.2f}s "
+          f"reward {hist['tlt'][-1]['reward_mean']:.3f} acc {hist['tlt'][-1]['mean_accepted']:.2f} | "
+          f"eval acc frozen {hist['acc_frozen'][-1]:.2f} online {hist['acc_online'][-1]:.2f}")
+  skip = 1 if len(hist["tlt"]) > 1 else 0  # the first step includes one-off work (drafter compile)
+  v_step = float(np.mean([m["step_seconds"] for m in hist["vanilla"][skip:]]))
+  t_step = float(np.mean([m["step_seconds"] for m in hist["tlt"][skip:]]))
+  v_roll = float(np.mean([m["rollout_seconds"] for m in hist["vanilla"][skip:]]))
+  t_roll = float(np.mean([m["rollout_seconds"] for m in hist["tlt"][skip:]]))
+  rows += [
+      Row(metric="GRPO step time (long-tail lengths)", unit="s", baseline=v_step, baseline_name="vanilla rollout",
+          ours=t_step, goal=">= 1.5"),
+      Row(metric="GRPO rollout time", unit="s", baseline=v_roll, baseline_name="vanilla rollout", ours=t_roll),
+      Row(metric="final reward (mean of last 2 steps)", unit="reward (ratio = ours/baseline)",
+          baseline=float(np.mean([m["reward_mean"] for m in hist["vanilla"][-2:]])), baseline_name="vanilla",
+          ours=float(np.mean([m["reward_mean"] for m in hist["tlt"][-2:]]))),
+      Row(metric="accepted length on the drifted policy (last step)", unit="tokens/step",
+          baseline=hist["acc_frozen"][-1], baseline_name="drafter trained once", ours=hist["acc_online"][-1],
+          ratio=hist["acc_online"][-1] / hist["acc_frozen"][-1]),
+  ]
+  rows[-2].ratio = rows[-2].ours / rows[-2].baseline if rows[-2].baseline else None
+  _plots(out, curve, hist)
+  config = dict(cfg, policy=policy.config.__dict__ | {"rope": str(policy.config.rope)},
+                chain=chain.name, tree=tree.name, spot_steps_per_rollout=spot.steps_per_rollout,
+                seconds=time.perf_counter() - t_start)
+  write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir,
+               extra={"curves": curve, "grpo": {k: v for k, v in hist.items()}, "warm": log})
+  return rows
+
+
+def _plots(out, curve, hist):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+  for name in ("chain", "tree"):
+    ax[0].plot(curve["batch"], curve[f"{name}_acc"], "o-", label=name)
+    ax[1].plot(curve["batch"], curve[f"{name}_speedup"], "o-", label=name)
+  ax[0].set(xscale="log", xlabel="batch", ylabel="tokens per verify step", title="accepted length")
+  ax[1].axhline(1.0, color="gray", lw=0.5)
+  ax[1].set(xscale="log", xlabel="batch", ylabel="speedup vs vanilla", title="decode speedup")
+  steps = np.arange(1, len(hist["tlt"]) + 1)
+  ax[2].plot(steps, [m["reward_mean"] for m in hist["vanilla"]], "o-", label="vanilla rollout")
+  ax[2].plot(steps, [m["reward_mean"] for m in hist["tlt"]], "s--", label="TLT rollout")
+  ax[2].set(xlabel="GRPO step", ylabel="mean reward", title="learning is unchanged")
+  for a in ax:
+    a.legend()
+  fig.tight_layout()
+  fig.savefig(out / "tlt.png", dpi=100)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  import sys
+  from experiments._cli import main
+  sys.exit(main("tlt"))

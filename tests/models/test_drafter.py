@@ -1,0 +1,88 @@
+"""EAGLE drafter: shapes, shared frozen head, loss, online training, orbax round trip, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.models import DecoderConfig
+from jaxsys.models.decoder import random_model
+from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
+from jaxsys.speculative import online
+
+CFG = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def models():
+  return random_model(CFG, 0), EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
+
+
+def _data(target, b=4, s=12, seed=0):
+  tokens = jax.random.randint(jax.random.key(seed), (b, s), 0, CFG.vocab_size)
+  h, _ = target.forward_hidden(tokens)
+  mask = jnp.zeros((b, s)).at[:, 3:-1].set(1.0)
+  return tokens, h, mask
+
+
+def test_shapes_and_shared_head(models):
+  target, drafter = models
+  tokens, feats, mask = _data(target)
+  pred = drafter(target, tokens[:, 1:], feats[:, :-1])
+  assert pred.shape == feats[:, 1:].shape
+  np.testing.assert_allclose(np.asarray(drafter.logits(target, pred)), np.asarray(target.logits(pred)))
+  # The drafter holds no embedding / LM head of its own.
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
+  assert n_params < CFG.vocab_size * CFG.hidden_size * 2 + 6 * CFG.hidden_size ** 2 + 4 * CFG.hidden_size * 32
+
+
+def test_loss_masks_and_trains(models):
+  target, drafter = models
+  tokens, feats, mask = _data(target)
+  loss, m = drafter_loss(drafter, target, tokens, feats, mask)
+  assert np.isfinite(float(loss)) and float(m["ce_loss"]) > 0
+  # Positions outside the mask do not matter.
+  feats2 = feats.at[:, :2].set(0.0)  # only predictions at masked positions 3.. are scored
+  loss_zero, _ = drafter_loss(drafter, target, tokens, feats2, jnp.zeros_like(mask))
+  assert float(loss_zero) == 0.0
+  buffer = online.DrafterBuffer(max_steps=2)
+  buffer.add(0, np.asarray(tokens), np.asarray(feats), [3] * 4)
+  trainer = online.DrafterTrainer(nnx.merge(*nnx.split(drafter)), lr=1e-2, batch=4, seq_len=12)
+  tstate_before = jax.device_get(nnx.state(target))
+  first = trainer.train(target, buffer, 1)["loss"]
+  last = trainer.train(target, buffer, 30)["loss"]
+  assert last < 0.7 * first
+  # The target (shared embedding / head) is untouched by drafter training.
+  jax.tree.map(np.testing.assert_array_equal, tstate_before, jax.device_get(nnx.state(target)))
+
+
+def test_buffer_keeps_last_steps():
+  buf = online.DrafterBuffer(max_steps=2)
+  for step in range(3):
+    buf.add(step, [np.full(5, step)], [np.zeros((5, 4))], [2])
+  assert [s for s, _ in buf.steps] == [1, 2]
+  tokens, feats, mask = buf.sample(3, 8)
+  assert set(np.unique(tokens[:, :5])) <= {1, 2}
+  np.testing.assert_array_equal(mask[0], [0, 1, 1, 1, 0, 0, 0, 0])
+
+
+def test_checkpoint_roundtrip(models, tmp_path):
+  _, drafter = models
+  online.save_drafter(tmp_path / "d", drafter)
+  back = online.load_drafter(tmp_path / "d", drafter.config)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.state(drafter)), jax.device_get(nnx.state(back)))
+
+
+def test_incompatible_drafter_errors(models):
+  target, _ = models
+  with pytest.raises(ShapeError, match="vocab_size=31 must equal"):
+    check_compatible(EagleDrafter(DrafterConfig.for_target(CFG, vocab_size=31), rngs=nnx.Rngs(0)), target)
+  with pytest.raises(ShapeError, match="hidden_size=8 must equal"):
+    check_compatible(EagleDrafter(DrafterConfig.for_target(CFG, hidden_size=8), rngs=nnx.Rngs(0)), target)
+  with pytest.raises(ConfigError, match="num_heads"):
+    DrafterConfig.for_target(CFG, num_heads=3)
+  with pytest.raises(ShapeError, match="must share"):
+    drafter_loss(EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(0)), target,
+                 jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4, 16)), jnp.zeros((2, 5)))

@@ -1,0 +1,99 @@
+"""GRPO pieces: advantages, clipped surrogate, k3 KL, tasks/rewards, and one trainer step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError
+from jaxsys.models.decoder import random_model
+from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+from jaxsys.rl import grpo, policy as pol, tasks
+from jaxsys.speculative import online
+from jaxsys.speculative.bandit import Strategy
+from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+from jaxsys.speculative.sampling import GREEDY, SamplingParams
+
+PCFG = pol.policy_config(hidden=16, layers=1)
+
+
+def test_group_advantages():
+  r = np.array([[1.0, 0.0, 0.5, 0.5], [2.0, 2.0, 2.0, 2.0]])
+  a = np.asarray(grpo.group_advantages(r))
+  np.testing.assert_allclose(a[0], (r[0] - 0.5) / (r[0].std() + 1e-6), rtol=1e-5)
+  np.testing.assert_allclose(a[1], 0.0)
+
+
+def test_surrogate_clipping_and_kl():
+  model = random_model(PCFG, 0)
+  tokens = jax.random.randint(jax.random.key(0), (2, 6), 0, tasks.VOCAB)
+  mask = jnp.ones((2, 5))
+  logp = grpo.token_logprobs(model, tokens)
+  adv = jnp.array([1.0, -2.0])
+  # ratio 1, reference == policy: objective = mean advantage, KL = 0.
+  loss, aux = grpo.grpo_loss(model, tokens, mask, adv, logp, logp, 0.2, 0.1)
+  np.testing.assert_allclose(float(loss), -float(adv.mean()), rtol=1e-5)
+  assert abs(float(aux["kl"])) < 1e-6
+  # ratio e (old much less likely): clipped at 1.2 for A > 0, unclipped e * A for A < 0 (min).
+  loss, aux = grpo.grpo_loss(model, tokens, mask, adv, logp - 1.0, logp, 0.2, 0.0)
+  np.testing.assert_allclose(float(loss), -(1.2 * 1.0 + np.e * -2.0) / 2, rtol=1e-5)
+  assert float(aux["clip_frac"]) == 1.0
+  # k3 KL is positive when the reference differs.
+  _, aux = grpo.grpo_loss(model, tokens, mask, adv, logp, logp + 0.3, 0.2, 0.1)
+  np.testing.assert_allclose(float(aux["kl"]), np.exp(0.3) - 0.3 - 1, rtol=1e-5)
+
+
+def test_tasks_and_rewards():
+  s = tasks.TaskSampler(long_fraction=0.5, seed=0)
+  exs = s.sample(200)
+  spans = [len(e.answer) for e in exs if e.kind == "count"]
+  assert max(spans) >= 24 and min(spans) <= 6  # long tail present
+  ex = tasks.count_example(3, 6)
+  assert tasks.reward(ex, [3, 4, 5, 6, tasks.EOS]) == 1.0
+  assert tasks.reward(ex, [3, 4, 9, 6, tasks.EOS]) == 0.8
+  assert tasks.reward(ex, [3, 4, 5, 6, 7, 8]) == pytest.approx(4 / 6)
+  assert tasks.reward(tasks.add_example(3, 4), [7, tasks.EOS]) == 1.0
+  with pytest.raises(ConfigError, match="count task"):
+    tasks.count_example(5, 2)
+  tok, mask = tasks.sft_batch([ex], 10)
+  assert mask[0].sum() == 5 and tok[0, 3] == tasks.SEP
+
+
+def test_config_errors():
+  with pytest.raises(ConfigError, match="group_size"):
+    grpo.GRPOConfig(group_size=1)
+  with pytest.raises(ConfigError, match="clip_eps"):
+    grpo.GRPOConfig(clip_eps=1.5)
+  with pytest.raises(ConfigError, match="minibatches"):
+    grpo.GRPOConfig(group_size=3, prompts_per_step=1, minibatches=2)
+
+
+def test_trainer_steps_with_spot_drafter_training():
+  policy = random_model(PCFG, 0)
+  drafter = EagleDrafter(DrafterConfig.for_target(PCFG), rngs=nnx.Rngs(1))
+  engine = RolloutEngine(policy, drafter, EngineConfig(
+      strategies=(Strategy.chain(2),), max_new=6, max_prompt=8, batch_buckets=(4, 8), spec_threshold=5,
+      stop_tokens=(tasks.EOS,), sampling=SamplingParams(1.0)))
+  buffer = online.DrafterBuffer()
+  spot = online.SpotTrainer(online.DrafterTrainer(drafter, batch=4, seq_len=16), buffer, max_steps=2)
+  tr = grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0), grpo.GRPOConfig(group_size=2, prompts_per_step=4),
+                        buffer=buffer, spot=spot)
+  before = jax.device_get(tr.params)
+  dstate_before = jax.device_get(engine.dstate)
+  m1 = tr.step()
+  m2 = tr.step()
+  assert len(m1["responses"]) == 8 and np.isfinite(m2["loss"])
+  assert m1["spec_steps"] + m2["spec_steps"] > 0  # the long tail was speculative
+  changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), before, jax.device_get(tr.params))
+  assert any(jax.tree.leaves(changed))  # policy updated
+  # weights were synced into the engine
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.state(tr.policy, nnx.Param)),
+               jax.device_get(nnx.state(nnx.merge(engine.gdef, engine.tstate), nnx.Param)))
+  # the drafter trained during the long tail of the 2nd rollout and was swapped in
+  assert sum(spot.steps_per_rollout) > 0
+  dchanged = jax.tree.map(lambda a, b: bool(np.any(a != b)), dstate_before, jax.device_get(engine.dstate))
+  assert any(jax.tree.leaves(dchanged))
+  with pytest.raises(ConfigError, match="sampled rollouts"):
+    grpo.GRPOTrainer(policy, RolloutEngine(policy, drafter, EngineConfig(max_prompt=8, sampling=GREEDY)),
+                     tasks.TaskSampler(), grpo.GRPOConfig())
