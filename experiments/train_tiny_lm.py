@@ -49,14 +49,16 @@ class Stage:
   mix: dict
   lr: float = 2e-3
   warmup: int = 50
+  batch: int = 32
 
 
 STAGES = {
     "full": [
         Stage(64, 600, {"copy": 0.7, "recall": 0.2, "arith": 0.1}),
-        Stage(64, 900, {"copy": 0.3, "recall": 0.45, "passkey": 0.1, "arith": 0.15}),
-        Stage(128, 900, {"copy": 0.2, "recall": 0.5, "passkey": 0.15, "arith": 0.15}, lr=1.5e-3),
-        Stage(256, 1200, {"copy": 0.15, "recall": 0.5, "passkey": 0.2, "arith": 0.15}, lr=1e-3),
+        Stage(64, 500, {"copy": 0.15, "recall": 0.55, "passkey": 0.15, "arith": 0.15}),
+        Stage(128, 400, {"copy": 0.1, "recall": 0.55, "passkey": 0.2, "arith": 0.15}, lr=1.5e-3),
+        Stage(256, 500, {"copy": 0.1, "recall": 0.55, "passkey": 0.2, "arith": 0.15}, lr=1e-3,
+              batch=16),
     ],
     "quick": [Stage(64, 40, {"copy": 0.7, "recall": 0.3}), Stage(128, 20, {"recall": 1.0})],
 }
@@ -81,7 +83,6 @@ def main(argv=None):
   parser.add_argument("--workdir", default=None, help="orbax checkpoints for resume")
   parser.add_argument("--stages", default="full", choices=sorted(STAGES))
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--batch", type=int, default=32)
   args = parser.parse_args(argv)
   model = M.random_model(MODEL, seed=args.seed)
   print(f"params: {MODEL.num_params():,}", flush=True)
@@ -94,7 +95,7 @@ def main(argv=None):
 
     def batches(step, st=st, i=i):
       return S.training_batch(st.mix, seed=args.seed * 1000 + i, step=step,
-                              batch_size=args.batch, length=st.length, task_kwargs=task_kwargs())
+                              batch_size=st.batch, length=st.length, task_kwargs=task_kwargs())
 
     def show(step, row, i=i):
       print(f"stage {i} step {step} loss {row['loss']:.4f} acc {row['correct']:.3f} "
@@ -104,7 +105,8 @@ def main(argv=None):
     res = T.train(model, batches, cfg, workdir=workdir, progress=False, callback=show)
     acc = evaluate(model, st.length)
     print(f"stage {i} (length {st.length}) exact match: {acc}", flush=True)
-    log["stages"].append({**dataclasses.asdict(st), "final_loss": res.history[-1]["loss"],
+    final = res.history[-1]["loss"] if res.history else None  # None: restored finished stage
+    log["stages"].append({**dataclasses.asdict(st), "final_loss": final,
                           "eval": acc, "seconds": time.time() - t0})
     out = Path(args.out)
     M.save_pretrained(model, out)

@@ -28,7 +28,8 @@ def test_loss_decreases_and_model_updated():
   assert not np.allclose(np.asarray(model.layers[0].mlp.up[...]), before)
 
 
-def test_grad_accumulation_is_exact():
+def test_grad_accumulation_is_exact_and_mesh_matches():
+  from jaxsys.core import make_mesh
   cfg = T.TrainConfig(learning_rate=1e-3, warmup_steps=0, total_steps=2, log_every=1)
   m1, m2 = M.random_model(CFG, seed=1), M.random_model(CFG, seed=1)
   r1 = T.train(m1, batches, cfg, progress=False)
@@ -36,6 +37,10 @@ def test_grad_accumulation_is_exact():
   np.testing.assert_allclose([r["loss"] for r in r1.history], [r["loss"] for r in r2.history], rtol=1e-5)
   np.testing.assert_allclose(np.asarray(m1.layers[0].attn.wq[...]), np.asarray(m2.layers[0].attn.wq[...]),
                              atol=1e-6)
+  # the same run with parameters and batches sharded on a (data=2, model=2) mesh
+  mesh = make_mesh({"data": 2, "model": 2}, jax.devices()[:4])
+  r3 = T.train(M.random_model(CFG, seed=1), batches, cfg, mesh=mesh, progress=False)
+  np.testing.assert_allclose([r["loss"] for r in r1.history], [r["loss"] for r in r3.history], rtol=1e-5)
 
 
 def test_resume_reproduces_loss_curve(tmp_path):
@@ -48,15 +53,6 @@ def test_resume_reproduces_loss_curve(tmp_path):
   np.testing.assert_allclose([r["loss"] for r in resumed.history],
                              [r["loss"] for r in full.history[4:]], rtol=1e-6)
   assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 8
-
-
-def test_train_on_mesh_matches_single_device():
-  from jaxsys.core import make_mesh
-  mesh = make_mesh({"data": 2, "model": 2}, jax.devices()[:4])
-  cfg = T.TrainConfig(learning_rate=1e-3, warmup_steps=0, total_steps=2, log_every=1)
-  a = T.train(M.random_model(CFG, seed=3), batches, cfg, progress=False)
-  b = T.train(M.random_model(CFG, seed=3), batches, cfg, mesh=mesh, progress=False)
-  np.testing.assert_allclose([r["loss"] for r in a.history], [r["loss"] for r in b.history], rtol=1e-5)
 
 
 def test_loss_mask_and_bad_config():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -127,6 +128,13 @@ class DemoConfig:
 
 
 def _model(cfg: DemoConfig):
+  # One compiled step per model shape: restarts in the same process reuse it.
+  return _model_cached(cfg.seed, cfg.batch, cfg.dim, cfg.hidden, cfg.lr)
+
+
+@functools.lru_cache(maxsize=8)
+def _model_cached(seed, batch_size, dim, hidden, lr):
+  cfg = argparse.Namespace(seed=seed, batch=batch_size, dim=dim, hidden=hidden, lr=lr)
   import jax
   import jax.numpy as jnp
   import optax

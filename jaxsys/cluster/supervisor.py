@@ -128,6 +128,12 @@ class _Beats:
     self.attempt, self.prev = attempt, prev
     self.last_time = time.monotonic()
     self.first_bad: int | None = None
+    self.startup_timeout = 600.0
+
+  def stalled(self, heartbeat_timeout: float) -> bool:
+    """No heartbeat for ``heartbeat_timeout`` s (``startup_timeout`` before the first one)."""
+    limit = heartbeat_timeout if self.attempt.restored_step is not None else self.startup_timeout
+    return time.monotonic() - self.last_time > limit
 
   def beat(self, step: int, loss: float, restored: int):
     a = self.attempt
@@ -178,7 +184,7 @@ def _run_command(cmd, attempt, beats, env, log_path, hb_path, heartbeat_timeout,
         proc.wait()
         attempt.exit_code = proc.returncode
         return "nan"
-      if time.monotonic() - beats.last_time > heartbeat_timeout:
+      if beats.stalled(heartbeat_timeout):
         proc.kill()
         proc.wait()
         attempt.exit_code = proc.returncode
@@ -201,7 +207,7 @@ def _run_function(fn, attempt, beats, ckpt_dir, heartbeat_timeout, poll):
   th.start()
   while th.is_alive():
     th.join(poll)
-    if th.is_alive() and time.monotonic() - beats.last_time > heartbeat_timeout:
+    if th.is_alive() and beats.stalled(heartbeat_timeout):
       ctx.cancelled = True
       th.join(heartbeat_timeout)
       if th.is_alive():
@@ -217,9 +223,13 @@ def _run_function(fn, attempt, beats, ckpt_dir, heartbeat_timeout, poll):
 
 def supervise(job: Sequence[str] | str | Callable, *, ckpt_dir: str | os.PathLike,
               workdir: str | os.PathLike | None = None, max_restarts: int = 5,
-              heartbeat_timeout: float = 60.0, poll: float = 0.05,
+              heartbeat_timeout: float = 60.0, startup_timeout: float = 600.0, poll: float = 0.05,
               model: ModelDiagnoser | None = None, env: dict | None = None) -> SupervisorReport:
-  """Runs ``job`` until it succeeds, fails non-retryably, or exhausts ``max_restarts``."""
+  """Runs ``job`` until it succeeds, fails non-retryably, or exhausts ``max_restarts``.
+
+  ``startup_timeout`` bounds the time to the first heartbeat of an attempt (imports, restore,
+  compilation); ``heartbeat_timeout`` the gap between later heartbeats.
+  """
   if max_restarts < 0:
     raise ConfigError(f"{max_restarts=} must be >= 0")
   if heartbeat_timeout <= 0:
@@ -232,6 +242,7 @@ def supervise(job: Sequence[str] | str | Callable, *, ckpt_dir: str | os.PathLik
   for i in range(max_restarts + 1):
     attempt = Attempt(index=i)
     beats = _Beats(attempt, attempts[-1] if attempts else None)
+    beats.startup_timeout = startup_timeout
     attempts.append(attempt)
     t0 = time.monotonic()
     if callable(job):

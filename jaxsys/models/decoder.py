@@ -80,6 +80,7 @@ class Decoder(nnx.Module):
                attention_fn: Callable | None = None):
     c = config
     self.config = c
+    self.custom_attention_fn = attention_fn  # None: jaxsys.ops.attention(impl=config.attention_impl)
     attention_fn = attention_fn or default_attention_fn(c.attention_impl)
     dt, pdt = c.jnp_dtype, c.jnp_param_dtype
     self.embed_tokens = Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt, rngs=rngs)
@@ -167,15 +168,16 @@ def _maybe_remat(layer, remat: bool):
   return call
 
 
-def replace_config(model: Decoder, **changes) -> Decoder:
-  """A new model sharing ``model``'s parameters with config fields changed.
+def replace_config(model: Decoder, *, attention_fn: Callable | None = None, **changes) -> Decoder:
+  """A new model sharing ``model``'s parameters with config fields changed (and optionally a
+  new ``attention_fn``; by default the model's own hook is kept).
 
   For changes that keep parameter shapes, e.g. RoPE scaling for long context::
 
     longer = replace_config(model, rope=dataclasses.replace(model.config.rope, kind="linear", factor=4.0))
   """
   config = dataclasses.replace(model.config, **changes)
-  attention_fn = model.layers[0].attn.attention_fn if len(model.layers) else None
+  attention_fn = attention_fn or model.custom_attention_fn
   new = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), attention_fn=attention_fn))
   nnx.update(new, nnx.state(model))
   return new

@@ -21,6 +21,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -141,14 +144,20 @@ def plan_aggregation(packed, graph, aggregation: str = "sum") -> AggregationPlan
   return AggregationPlan(n, aggregation, tuple(groups), tuple(packed.bits))
 
 
-def _xla_group(words, scales, ge: GroupEdges, bits, num_features, signed, num_nodes):
+@functools.partial(jax.jit, static_argnames=("bits", "num_features", "signed", "num_nodes"))
+def _xla_group_arrays(words, scales, src_rows, dst, weights, *, bits, num_features, signed,
+                      num_nodes):
   from jaxsys.quant.packing import unpack_rows
-  rows = jnp.asarray(ge.src_rows)
-  packed_rows = words[rows]  # [E_g, W]: the only feature bytes read per edge
-  vals = unpack_rows(packed_rows, bits, num_features, signed).astype(jnp.float32)
-  coef = scales[rows] * jnp.asarray(ge.weights)  # [E_g]
-  return jax.ops.segment_sum(vals * coef[:, None], jnp.asarray(ge.dst), num_nodes,
-                             indices_are_sorted=True)
+  packed_rows = words[src_rows]  # [E_g, W]: the only feature bytes read per edge
+  vals = unpack_rows(packed_rows, bits, num_features, signed).astype(jnp.float32)  # [E_g, F]
+  coef = scales[src_rows] * weights  # [E_g]
+  return jax.ops.segment_sum(vals * coef[:, None], dst, num_nodes, indices_are_sorted=True)
+
+
+def _xla_group(words, scales, ge: GroupEdges, bits, num_features, signed, num_nodes):
+  return _xla_group_arrays(words, scales, jnp.asarray(ge.src_rows), jnp.asarray(ge.dst),
+                           jnp.asarray(ge.weights), bits=bits, num_features=num_features,
+                           signed=signed, num_nodes=num_nodes)
 
 
 def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: str = "auto",
@@ -194,3 +203,14 @@ def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: s
                              interpret=impl == "pallas_interpret")
     out = out + part
   return out
+
+
+class _CallableModule(types.ModuleType):
+  """Importing this submodule rebinds ``jaxsys.ops.quantized_aggregate`` to the module; making
+  the module callable keeps ``jaxsys.ops.quantized_aggregate(...)`` the op either way."""
+
+  def __call__(self, *args, **kwargs):
+    return quantized_aggregate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

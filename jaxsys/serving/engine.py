@@ -140,7 +140,7 @@ class Engine:
                                        jnp.asarray(tokens), n, jnp.asarray(bt), jnp.asarray(stt),
                                        chunk=chunk, impl="auto")
     self.cache.seqs[rid].length = n
-    return self.model.logits(hidden[:, None])[:, 0]  # [1, vocab]
+    return hidden
 
   # -- generation ---------------------------------------------------------------------------
   def generate(self, prompts, max_new_tokens, *, sampling: Sampling | None = None,
@@ -206,8 +206,10 @@ class Engine:
         break  # waits until a live request leaves
       waiting.popleft()
       t0 = time.perf_counter()
-      logits = self._prefill(r.index, r)
-      tok = int(_sample(logits, jax.random.fold_in(key, r.index), s)[0])
+      hidden = self._prefill(r.index, r)
+      sampling = None if s is None else (s.temperature, s.top_k, s.top_p)
+      logits, tok = _first_token(self._graphdef, self._params, hidden, key, r.index, sampling)
+      tok = int(tok[0])
       res.prefill_seconds += time.perf_counter() - t0
       self._emit(r, tok, np.asarray(logits[0]) if res.logits is not None else None, stops, bar)
       slot = slots.index(None)
@@ -260,11 +262,19 @@ class Engine:
     return np.asarray(logits), np.asarray(toks)
 
 
-def _sample(logits, key, s: Sampling | None):
-  if s is None:
+def _pick(logits, key, sampling):
+  if sampling is None:
     return sample_tokens(logits, key, greedy=True)
-  return sample_tokens(logits, key, greedy=False, temperature=s.temperature, top_k=s.top_k,
-                       top_p=s.top_p)
+  return sample_tokens(logits, key, greedy=False, temperature=sampling[0], top_k=sampling[1],
+                       top_p=sampling[2])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _first_token(graphdef, params, hidden, key, index, sampling):
+  """Logits ``[1, vocab]`` of the last prompt token and the sampled first new token."""
+  model = nnx.merge(graphdef, params)
+  logits = model.logits(hidden[:, None])[:, 0]
+  return logits, _pick(logits, jax.random.fold_in(key, index), sampling)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 13, 14), donate_argnums=(4,))
@@ -284,12 +294,7 @@ def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positio
     h = x + layer.attn.project_out(o[:, None])
     x = h + layer.mlp(layer.mlp_norm(h))
   logits = model.logits(model.final_norm(x))[:, 0]  # [slots, vocab]
-  if sampling is None:
-    toks = sample_tokens(logits, key, greedy=True)
-  else:
-    toks = sample_tokens(logits, key, greedy=False, temperature=sampling[0], top_k=sampling[1],
-                         top_p=sampling[2])
-  return logits, toks, st, tuple(new_numbers)
+  return logits, _pick(logits, key, sampling), st, tuple(new_numbers)
 
 
 def _progress(enabled: bool, total: int):

@@ -69,13 +69,14 @@ def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st,
                         block_table, lengths, numbers=None, *, reselect=True, impl="auto"):
   """Retrieval-head attention ``q [b, r*g, d] -> ([b, r*g, d], numbers [b, r, K] or None)``."""
   r = len(c.retrieval_heads(layer))
-  if sel is None:
+  if sel is None or block_table.shape[1] <= sel.num_select:
+    # Dense, or every page fits the budget (static): selection would keep all pages anyway.
     idx, num = ps.all_pages(block_table, lengths, r, page_size=c.page_size)
   else:
     if reselect or numbers is None:
       scores = ps.page_scores(q, st["kmin"][layer], st["kmax"][layer], block_table, lengths,
                               page_size=c.page_size, logical_page_size=c.logical_page_size,
-                              impl="xla" if impl in ("auto", "xla") else impl)
+                              impl=impl)
       numbers = ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size)
     num = ps.with_newest_page(numbers, lengths, page_size=c.page_size)
     idx = ps.physical_pages(block_table, num)

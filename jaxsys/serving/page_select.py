@@ -60,7 +60,7 @@ class SelectionConfig:
 
 
 def page_scores(q, kmin, kmax, block_table, lengths, *, page_size: int, logical_page_size: int,
-                impl: str = "xla"):
+                impl: str = "auto"):
   """Upper bounds of ``q . k`` per physical page: ``float32[b, kv_heads, max_pages]``.
 
   Args:
@@ -68,7 +68,8 @@ def page_scores(q, kmin, kmax, block_table, lengths, *, page_size: int, logical_
     kmin, kmax: ``[num_pages, kv_heads, page_size // logical_page_size, d]`` key statistics.
     block_table: ``int32[b, max_pages]`` physical page of each logical page of the request.
     lengths: ``int32[b]``; pages / logical pages that start at or after the length score -inf.
-    impl: "xla" | "pallas" | "pallas_interpret" (the kernel in ``pallas_kernels/page_select.py``).
+    impl: "auto" | "xla" | "pallas" | "pallas_interpret" (the kernel in
+      ``pallas_kernels/page_select.py``); auto = pallas on GPU, xla elsewhere.
   """
   b, h, d = q.shape
   n, hk, nl, dk = kmin.shape
@@ -78,6 +79,12 @@ def page_scores(q, kmin, kmax, block_table, lengths, *, page_size: int, logical_
   if nl * logical_page_size != page_size:
     raise ShapeError(f"statistics hold {nl} logical pages; page_size={page_size} / "
                      f"logical_page_size={logical_page_size} = {page_size // logical_page_size}")
+  if impl not in ("auto", "xla", "pallas", "pallas_interpret"):
+    raise ConfigError(f"{impl=} must be one of auto, xla, pallas, pallas_interpret")
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if impl == "pallas" and jax.default_backend() != "gpu":
+    raise NotImplementedError("impl='pallas' compiles for GPU (Triton); use 'pallas_interpret' on CPU")
   if impl != "xla":
     from pallas_kernels import page_select as kernel
     return kernel.page_scores_pallas(q, kmin, kmax, block_table, lengths, page_size=page_size,

@@ -58,10 +58,12 @@ class DecodeState:
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Static sizes: cache/history length ``max_len``, ``max_new`` emitted tokens per row,
-  pending capacity ``max_depth + 1`` and the stop tokens."""
+  pending capacity ``max_depth + 1``, the largest draft ``max_topk`` (children per node, bounds
+  the acceptance loop) and the stop tokens."""
   max_len: int
   max_new: int
   max_depth: int
+  max_topk: int = 1
   stop_tokens: tuple[int, ...] = ()
   sampling: smp.SamplingParams = smp.GREEDY
 
@@ -109,8 +111,11 @@ def init_state(model, drafter_cfg, prompts, lengths, cfg: DecodeConfig, key) -> 
 def prefill(model, state: DecodeState, prompts, lengths, cfg: DecodeConfig) -> DecodeState:
   """Runs the prompts (right-padded ``int[b, Lp]``, true ``lengths``) and samples the root."""
   b, lp = prompts.shape
-  cache = state.cache.with_lengths(jnp.zeros((b,), jnp.int32))
-  h, cache = model.forward_hidden(prompts, cache=cache)
+  pos = jnp.broadcast_to(jnp.arange(lp, dtype=jnp.int32), (b, lp))
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((lp, lp), bool)), (b, lp, lp))
+  zero = jnp.zeros((b,), jnp.int32)
+  _, h, cache = fwd.target_tree_forward(model, state.cache.with_lengths(zero), prompts, pos, causal,
+                                        start=zero)
   cache = cache.with_lengths(lengths)
   h_last = h[jnp.arange(b), lengths - 1]  # [b, embed]
   logits = model.logits(h_last[:, None])[:, 0]
@@ -233,7 +238,8 @@ def verify(model, state: DecodeState, trees: tree_lib.Tree, cfg: DecodeConfig):
   logits, h, cache = fwd.target_tree_forward(model, state.cache, trees.tokens, positions, trees.vis)
   p = smp.target_probs(logits, cfg.sampling)  # [b, T, vocab]
   key, sub = jax.random.split(state.key)
-  acc = acc_lib.accept_batch(sub, trees, p, max_depth=t - 1, max_children=t - 1)
+  acc = acc_lib.accept_batch(sub, trees, p, max_depth=min(t - 1, cfg.max_depth),
+                             max_children=min(t - 1, cfg.max_topk))
   active = ~state.done
   pcap = cfg.max_depth + 1
   path, emitted = acc.path, acc.tokens

@@ -82,6 +82,7 @@ class EngineConfig:
 
   def decode_config(self) -> dec.DecodeConfig:
     return dec.DecodeConfig(max_len=self.max_len, max_new=self.max_new, max_depth=self.max_depth,
+                            max_topk=max(s.topk for s in self.strategies),
                             stop_tokens=self.stop_tokens, sampling=self.sampling)
 
 
@@ -149,7 +150,13 @@ class RolloutEngine:
   def _exe(self, kind: str, b: int, strategy: Strategy | None = None):
     c, dcfg = self.config, self.dcfg
     st = self._state_shape(b)
-    if kind == "prefill":
+    if kind == "init":
+      key = ("init", b)
+      dcf = self.drafter_config or _dummy_drafter_cfg(self.model_config)
+      model = nnx.merge(self.gdef, self.tstate)
+      fn = lambda k: dec.init_state(model, dcf, jnp.zeros((b, c.max_prompt), jnp.int32), None, self.dcfg, k)
+      build = lambda: jax.jit(fn).lower(jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
+    elif kind == "prefill":
       key = ("prefill", b)
       prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32)
       lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
@@ -170,11 +177,13 @@ class RolloutEngine:
       build = lambda: dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
     else:
       raise ValueError(kind)
-    return self.pool.get(key, build)
+    # Shared pools: executables also depend on the static decode config and module structures.
+    return self.pool.get(key + (self.dcfg, self.gdef, self.dgdef), build)
 
   def precompile(self, buckets: Sequence[int] | None = None):
     """Compiles every executable a rollout may need, ahead of time."""
     for b in buckets or self.config.batch_buckets:
+      self._exe("init", b)
       self._exe("prefill", b)
       self._exe("vanilla", b)
       if self.config.speculative and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
@@ -196,10 +205,9 @@ class RolloutEngine:
     as the vanilla baseline (same executables and loop, no drafting).
     """
     c = self.config
-    if force_strategy is not None and (force_strategy.depth > c.max_depth or
-                                       force_strategy.verify_tokens > c.max_len - c.max_prompt - c.max_new):
-      raise ConfigError(f"force_strategy {force_strategy.name} exceeds the engine's sizes "
-                        f"(max_depth={c.max_depth}); add it to EngineConfig.strategies")
+    if force_strategy is not None and force_strategy not in c.strategies:
+      raise ConfigError(f"force_strategy {force_strategy.name} is not one of the engine's strategies "
+                        "(EngineConfig.strategies fixes the cache and acceptance sizes)")
     arrs = self._check_prompts(prompts)
     speculate = c.speculative if speculative is None else speculative
     if speculate and self.dstate is None:
@@ -212,9 +220,7 @@ class RolloutEngine:
       toks[i, :len(a)] = a
       lens[i] = len(a)
     rows = np.arange(b)  # engine row -> prompt index (>= n: padding)
-    state = jax.jit(lambda k: dec.init_state(nnx.merge(self.gdef, self.tstate),
-                                             self.drafter_config or _dummy_drafter_cfg(self.model_config),
-                                             jnp.asarray(toks), None, self.dcfg, k))(jax.random.key(seed))
+    state = self._exe("init", b)(jax.random.key(seed))
     done_pad = np.arange(b) >= n
     state = self._exe("prefill", b)(self.tstate, state, jnp.asarray(toks), jnp.asarray(lens))
     state = state.replace(done=state.done | jnp.asarray(done_pad))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops import attention
@@ -61,8 +62,18 @@ def layer_tree_forward(layer, x, positions, k_cache, v_cache, *, vis, prefix_len
   return h + layer.mlp(layer.mlp_norm(h)), k_cache, v_cache
 
 
-def target_tree_forward(model, cache, tokens, positions, vis):
-  """The target over tree tokens placed at rows ``cache.lengths + arange(T)``.
+def stack_layers(model):
+  """``(layer_graphdef, stacked_state)``: the blocks' states stacked on a leading axis so that
+  the target runs as one ``lax.scan`` (one compiled block instead of ``num_layers`` copies)."""
+  gdefs, states = zip(*(nnx.split(layer) for layer in model.layers))
+  if any(g != gdefs[0] for g in gdefs[1:]):
+    return None, None
+  return gdefs[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+def target_tree_forward(model, cache, tokens, positions, vis, start=None):
+  """The target over tree tokens placed at rows ``start + arange(T)`` (default ``cache.lengths``),
+  seeing rows ``< start`` and the tree rows ``vis`` allows.
 
   Returns ``(logits float32 [b, T, vocab], hidden [b, T, embed], cache)``; the returned cache
   holds the tree's keys/values but keeps ``lengths`` (``commit`` decides what stays).
@@ -70,14 +81,23 @@ def target_tree_forward(model, cache, tokens, positions, vis):
   if model.config.sliding_window is not None:
     raise ConfigError("speculative verification needs full-attention layers (sliding_window=None)")
   x = model.embed(tokens)
-  lengths = cache.lengths
+  start = cache.lengths if start is None else start
   impl = model.config.attention_impl
-  ks, vs = [], []
-  for i, layer in enumerate(model.layers):
-    x, kc, vc = layer_tree_forward(layer, x, positions, cache.k[i], cache.v[i], vis=vis,
-                                   prefix_len=lengths, write_start=lengths, impl=impl)
-    ks.append(kc)
-    vs.append(vc)
+  kw = dict(vis=vis, prefix_len=start, write_start=start, impl=impl)
+  gdef, stacked = stack_layers(model)
+  if gdef is None:  # heterogeneous blocks: unrolled
+    ks, vs = [], []
+    for i, layer in enumerate(model.layers):
+      x, kc, vc = layer_tree_forward(layer, x, positions, cache.k[i], cache.v[i], **kw)
+      ks.append(kc)
+      vs.append(vc)
+  else:
+    def body(h, inp):
+      st, kc, vc = inp
+      h, kc, vc = layer_tree_forward(nnx.merge(gdef, st), h, positions, kc, vc, **kw)
+      return h, (kc, vc)
+    x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, jnp.stack(cache.k), jnp.stack(cache.v)))
+    ks, vs = list(k_all), list(v_all)
   h = model.final_norm(x)
   return model.logits(h), h, cache.replace(k=tuple(ks), v=tuple(vs))
 

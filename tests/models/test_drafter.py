@@ -22,17 +22,21 @@ def models():
 
 def _data(target, b=4, s=12, seed=0):
   tokens = jax.random.randint(jax.random.key(seed), (b, s), 0, CFG.vocab_size)
-  h, _ = target.forward_hidden(tokens)
+  h = nnx.jit(lambda t, x: t.forward_hidden(x)[0])(target, tokens)
   mask = jnp.zeros((b, s)).at[:, 3:-1].set(1.0)
   return tokens, h, mask
+
+
+_loss = nnx.jit(drafter_loss)
 
 
 def test_shapes_and_shared_head(models):
   target, drafter = models
   tokens, feats, mask = _data(target)
-  pred = drafter(target, tokens[:, 1:], feats[:, :-1])
+  pred, lg, ref = nnx.jit(lambda d, t, x, f: (lambda p: (p, d.logits(t, p), t.logits(p)))(d(t, x, f)))(
+      drafter, target, tokens[:, 1:], feats[:, :-1])
   assert pred.shape == feats[:, 1:].shape
-  np.testing.assert_allclose(np.asarray(drafter.logits(target, pred)), np.asarray(target.logits(pred)))
+  np.testing.assert_allclose(np.asarray(lg), np.asarray(ref))
   # The drafter holds no embedding / LM head of its own.
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
   assert n_params < CFG.vocab_size * CFG.hidden_size * 2 + 6 * CFG.hidden_size ** 2 + 4 * CFG.hidden_size * 32
@@ -41,11 +45,11 @@ def test_shapes_and_shared_head(models):
 def test_loss_masks_and_trains(models):
   target, drafter = models
   tokens, feats, mask = _data(target)
-  loss, m = drafter_loss(drafter, target, tokens, feats, mask)
+  loss, m = _loss(drafter, target, tokens, feats, mask)
   assert np.isfinite(float(loss)) and float(m["ce_loss"]) > 0
   # Positions outside the mask do not matter.
   feats2 = feats.at[:, :2].set(0.0)  # only predictions at masked positions 3.. are scored
-  loss_zero, _ = drafter_loss(drafter, target, tokens, feats2, jnp.zeros_like(mask))
+  loss_zero, _ = _loss(drafter, target, tokens, feats2, jnp.zeros_like(mask))
   assert float(loss_zero) == 0.0
   buffer = online.DrafterBuffer(max_steps=2)
   buffer.add(0, np.asarray(tokens), np.asarray(feats), [3] * 4)
@@ -75,14 +79,17 @@ def test_checkpoint_roundtrip(models, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.state(drafter)), jax.device_get(nnx.state(back)))
 
 
+def _abstract_drafter(**kw):
+  return nnx.eval_shape(lambda: EagleDrafter(DrafterConfig.for_target(CFG, **kw), rngs=nnx.Rngs(0)))
+
+
 def test_incompatible_drafter_errors(models):
-  target, _ = models
+  target, drafter = models
   with pytest.raises(ShapeError, match="vocab_size=31 must equal"):
-    check_compatible(EagleDrafter(DrafterConfig.for_target(CFG, vocab_size=31), rngs=nnx.Rngs(0)), target)
+    check_compatible(_abstract_drafter(vocab_size=31), target)
   with pytest.raises(ShapeError, match="hidden_size=8 must equal"):
-    check_compatible(EagleDrafter(DrafterConfig.for_target(CFG, hidden_size=8), rngs=nnx.Rngs(0)), target)
+    check_compatible(_abstract_drafter(hidden_size=8), target)
   with pytest.raises(ConfigError, match="num_heads"):
     DrafterConfig.for_target(CFG, num_heads=3)
   with pytest.raises(ShapeError, match="must share"):
-    drafter_loss(EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(0)), target,
-                 jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4, 16)), jnp.zeros((2, 5)))
+    drafter_loss(drafter, target, jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4, 16)), jnp.zeros((2, 5)))

@@ -57,3 +57,12 @@ def test_selection_config_validation():
     ps.SelectionConfig(token_budget=100, page_size=64)
   with pytest.raises(ConfigError, match="logical_page_size=24"):
     ps.SelectionConfig(page_size=64, logical_page_size=24)
+
+
+def test_page_scores_dispatch_errors():
+  z = jnp.zeros((1, 1, 2, 4))
+  args = (jnp.zeros((1, 2, 4)), z, z, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+  with pytest.raises(NotImplementedError, match="GPU"):
+    ps.page_scores(*args, page_size=8, logical_page_size=4, impl="pallas")
+  with pytest.raises(ConfigError, match="impl"):
+    ps.page_scores(*args, page_size=8, logical_page_size=4, impl="cuda")

@@ -1,8 +1,10 @@
 """Streaming-head identification finds planted heads; gates save/load."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxsys.core.errors import ShapeError
 from jaxsys.models._decoder_config import DecoderConfig
@@ -22,11 +24,15 @@ def test_planted_unused_heads_become_streaming(tmp_path):
   answer = np.zeros_like(tokens, bool)
   answer[:, -4:] = True
   # gate = 1 reproduces the full model exactly
-  h_full = gated_hidden(model, jnp.asarray(tokens[:2]), None, sink=2, window=4)
-  h_one = gated_hidden(model, jnp.asarray(tokens[:2]), jnp.ones((2, 2)), sink=2, window=4)
+  graphdef, params = nnx.split(model)
+  hidden = jax.jit(lambda p, t, a: gated_hidden(nnx.merge(graphdef, p), t, a, sink=2, window=4,
+                                                impl="reference"))
+  h_full = hidden(params, jnp.asarray(tokens[:2]), None)
+  h_one = hidden(params, jnp.asarray(tokens[:2]), jnp.ones((2, 2)))
   np.testing.assert_allclose(h_one, h_full, atol=1e-6)
   gates = identify_streaming_heads(model, (tokens, answer), sink=2, window=4, sparsity=0.5,
-                                   steps=25, lr=0.05, l1=1e-4, batch_size=4)
+                                   steps=25, lr=0.05, l1=1e-4, batch_size=4,
+                                   impl="reference")
   assert np.asarray(gates.streaming).tolist() == [[False, True], [False, True]]
   alpha = np.asarray(gates.alpha)
   assert alpha[:, 1].max() < 0.1 < alpha[:, 0].min()

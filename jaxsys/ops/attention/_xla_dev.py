@@ -223,13 +223,13 @@ def _visible(plan: _Plan, aux, i, j, kb):
 def _forward(plan: _Plan, q, k, v, aux):
   p = plan
   qt, kt, vt = _to_blocks(p, q, k, v)
+  vt = jnp.concatenate([vt, jnp.ones(vt.shape[:-1] + (1,), _F32)], axis=-1)  # [.., dv + 1]
   idx = jnp.asarray(p.idx)
 
   def q_block(_, xs):
     i, qb = xs                                                       # qb [b, hk, g, bq, d]
     m0 = jnp.full((p.b, p.hk, p.g, p.bq), -jnp.inf, _F32)
-    l0 = jnp.zeros((p.b, p.hk, p.g, p.bq), _F32)
-    acc0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.dv), _F32)
+    acc0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.dv + 1), _F32)
 
     def visit(j, carry, branch):
       kb = idx[:, i, j]                                              # [ht]
@@ -238,7 +238,8 @@ def _forward(plan: _Plan, q, k, v, aux):
         s = jnp.where(_visible(p, aux, i, j, kb), s, -jnp.inf)
       return _online_update(p, carry, s, _gather(p, vt, kb))
 
-    m, l, acc = _visit_loops(p, aux, i, visit, (m0, l0, acc0))
+    m, acc = _visit_loops(p, aux, i, visit, (m0, acc0))
+    acc, l = acc[..., :-1], acc[..., -1]
     l_safe = jnp.where(l > 0, l, 1.0)
     out = acc / l_safe[..., None]
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
@@ -268,15 +269,18 @@ def _visit_loops(plan: _Plan, aux, i, visit, carry):
 
 
 def _online_update(plan, carry, s, vb):
-  """One online-softmax step; ``s`` may hold -inf (masked) entries, rows may be all -inf."""
-  m, l, acc = carry
+  """One online-softmax step; ``s`` may hold -inf (masked) entries, rows may be all -inf.
+
+  ``vb`` carries a trailing ones column, so ``p @ vb`` also yields the row sums ``l`` (the
+  last accumulator column) without another pass over ``p``.
+  """
+  m, acc = carry
   m_new = jnp.maximum(m, jnp.max(s, axis=-1))
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                 # all-masked rows stay finite
   pr = jnp.exp(s - m_safe[..., None])
   corr = jnp.exp(m - m_safe)
-  l = l * corr + jnp.sum(pr, axis=-1)
   acc = acc * corr[..., None] + _pv(plan, pr, vb)
-  return m_new, l, acc
+  return m_new, acc
 
 
 # ----------------------------------------------------------------------------- backward

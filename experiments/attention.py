@@ -1,0 +1,202 @@
+"""Blockwise and block-sparse attention on CPU: time and memory vs naive dense and JAX peers.
+
+Measured side by side in one process (b=1, 4 heads, head_dim 64, f32, non-causal):
+  1. naive dense softmax(QK^T)V vs the xla blockwise path at 1K..16K tokens: time and compiled
+     peak memory (blockwise must grow linearly, naive quadratically);
+  2. peers at the largest length: ``jax.nn.dot_product_attention`` and tokamax's
+     ``dot_product_attention(..., implementation="xla_chunked")`` (optional), forward and
+     forward+backward, with achieved GFLOP/s beside the f32 matmul peak measured in this run;
+  3. block-sparse layouts at 50 / 25 / 10 % density: time of our dense over our sparse, beside the
+     ideal ratio 1/density.
+
+Run: ``python -m experiments.attention [--quick]`` (quick: up to 8K, fewer repetitions).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsys.core.bench import compiled_memory, matmul_peak_gflops, time_fn
+from jaxsys.core.results import Row, run_dir, write_result
+from jaxsys.ops import attention, masks
+
+NAME = "attention"
+HEADS, HEAD_DIM = 4, 64
+MiB = 2 ** 20
+
+
+def _qkv(t, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(key, (1, t, HEADS, HEAD_DIM), jnp.float32) for key in ks)
+
+
+def _fwd(impl, mask=None):
+  return jax.jit(lambda q, k, v: attention(q, k, v, impl=impl, mask=mask))
+
+
+def _fwd_bwd(f):
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)))
+
+
+def _flops(t, backward=False):
+  """Useful FLOPs: 2 matmuls of 2*t*t*d per head forward; backward counted as 2.5x forward."""
+  fwd = 4 * t * t * HEAD_DIM * HEADS
+  return fwd * (3.5 if backward else 1.0)
+
+
+def _peers():
+  """name -> forward fn of the peers available in this environment (and notes for missing)."""
+  peers = {"jax.nn.dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(q, k, v)}
+  notes = {}
+  try:
+    import tokamax
+    peers["tokamax xla_chunked"] = lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, implementation="xla_chunked")
+  except Exception as e:  # optional peer (pip install tokamax)
+    notes["tokamax xla_chunked"] = f"not importable ({type(e).__name__}); row skipped"
+  return peers, notes
+
+
+def _sparse_layout(nq, nk, density, seed):
+  """Shared layout with exactly round(density * nk) random kv blocks per query block."""
+  rng = np.random.RandomState(seed)
+  per_row = max(1, round(density * nk))
+  lay = np.zeros((1, nq, nk), bool)
+  for i in range(nq):
+    lay[0, i, rng.choice(nk, per_row, replace=False)] = True
+  return lay
+
+
+def run(quick: bool, out_dir: str) -> list[Row]:
+  lengths = [1024, 2048, 4096, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
+  naive_time_max = 8192                     # naive materialises [heads, t, t] scores and probs
+  peer_len = 4096 if quick else 16384
+  peer_bwd_len = {"jax.nn.dot_product_attention": 4096 if quick else 8192}  # memory-bound peers
+  sparse_len = 8192 if quick else 16384
+  iters = 2 if quick else 3
+  rows: list[Row] = []
+  series = {"t": [], "naive_ms": [], "ours_ms": [], "naive_mib": [], "ours_mib": []}
+
+  peak = matmul_peak_gflops(2048 if not quick else 1024)
+
+  # 1. naive dense vs blockwise: time and compiled memory
+  for t in lengths:
+    q, k, v = _qkv(t)
+    ours = _fwd("xla")
+    naive = _fwd("reference")
+    mem_ours = compiled_memory(ours, q, k, v)["peak_bytes"] / MiB
+    mem_naive = compiled_memory(naive, q, k, v)["peak_bytes"] / MiB
+    t_ours = time_fn(ours, q, k, v, iters=iters).min * 1e3
+    t_naive = time_fn(naive, q, k, v, iters=iters).min * 1e3 if t <= naive_time_max else None
+    series["t"].append(t)
+    series["ours_ms"].append(t_ours)
+    series["naive_ms"].append(t_naive)
+    series["ours_mib"].append(mem_ours)
+    series["naive_mib"].append(mem_naive)
+    if t_naive is not None:
+      rows.append(Row(f"forward time @{t // 1024}K", "ms", ours=t_ours, baseline=t_naive,
+                      baseline_name="naive dense"))
+    rows.append(Row(f"compiled peak memory @{t // 1024}K", "MiB (ratio = naive/ours)",
+                    ours=mem_ours, baseline=mem_naive, baseline_name="naive dense",
+                    ratio=mem_naive / mem_ours))
+  # Growth per doubling of length: linear -> 2, quadratic -> 4 (memory beyond the fixed inputs).
+  g_ours = (series["ours_mib"][-1] / series["ours_mib"][-2])
+  g_naive = (series["naive_mib"][-1] / series["naive_mib"][-2])
+  rows.append(Row(f"memory growth {lengths[-2] // 1024}K->{lengths[-1] // 1024}K", "x per 2x length",
+                  ours=g_ours, baseline=g_naive, baseline_name="naive dense", ideal=2.0,
+                  goal="<= 2.2 (ours)", note="linear = 2, quadratic = 4", ratio=g_naive / g_ours))
+
+  # 2. peers at peer_len, forward and forward+backward
+  q, k, v = _qkv(peer_len)
+  ours_f = lambda q, k, v: attention(q, k, v, impl="xla")
+  peers, notes = _peers()
+  t_ours = {False: time_fn(jax.jit(ours_f), q, k, v, iters=iters).min,
+            True: time_fn(_fwd_bwd(ours_f), q, k, v, iters=iters).min}
+  tag = f"@{peer_len // 1024}K"
+  for bwd in (False, True):
+    kind = "forward+backward" if bwd else "forward"
+    gf = _flops(peer_len, bwd) / t_ours[bwd] / 1e9
+    rows.append(Row(f"xla blockwise {kind} GFLOP/s {tag}", "GFLOP/s (ratio = fraction of matmul peak)",
+                    ours=gf, baseline=peak, baseline_name="f32 matmul peak (this run)", ratio=gf / peak))
+  goals = {"jax.nn.dot_product_attention": ">= 2", "tokamax xla_chunked": ">= 1.25"}
+  for name, fn in peers.items():
+    for bwd in (False, True):
+      t_len = peer_bwd_len.get(name, peer_len) if bwd else peer_len
+      kind = "forward+backward" if bwd else "forward"
+      if t_len != peer_len:  # this peer cannot hold the full-length backward: compare shorter
+        qq, kk, vv = _qkv(t_len)
+        ours_t = time_fn(_fwd_bwd(ours_f), qq, kk, vv, iters=iters).min
+      else:
+        qq, kk, vv = q, k, v
+        ours_t = t_ours[bwd]
+      f = _fwd_bwd(fn) if bwd else jax.jit(fn)
+      t_peer = time_fn(f, qq, kk, vv, iters=iters).min
+      gf = _flops(t_len, bwd) / t_peer / 1e9
+      rows.append(Row(f"{kind} time @{t_len // 1024}K vs {name}", "ms", ours=ours_t * 1e3,
+                      baseline=t_peer * 1e3, baseline_name=name, goal=goals[name],
+                      note=f"peer {gf:.1f} GFLOP/s, ours {_flops(t_len, bwd) / ours_t / 1e9:.1f}, "
+                           f"matmul peak {peak:.0f}"))
+  for name, note in notes.items():
+    rows.append(Row(f"forward time {tag} vs {name}", "ms", ours=t_ours[False] * 1e3,
+                    baseline=None, baseline_name=name, note=note))
+
+  # 3. block-sparse layouts vs our dense (forward)
+  q, k, v = _qkv(sparse_len)
+  blk = 512
+  n = sparse_len // blk
+  t_dense = time_fn(_fwd("xla"), q, k, v, iters=iters).min
+  sparse_pts = []
+  for density in (0.5, 0.25, 0.1):
+    lay = _sparse_layout(n, n, density, seed=int(density * 100))
+    real = float(lay.mean())
+    mask = masks.BlockSparse(lay, blk, blk)
+    t_sp = time_fn(_fwd("xla", mask), q, k, v, iters=iters).min
+    ratio = t_dense / t_sp
+    sparse_pts.append((real, ratio))
+    rows.append(Row(f"block-sparse {int(density * 100)}% @{sparse_len // 1024}K vs our dense", "ms",
+                    ours=t_sp * 1e3, baseline=t_dense * 1e3, baseline_name="xla blockwise dense",
+                    ideal=1.0 / real, goal=">= 0.8 of ideal" if density == 0.1 else None,
+                    note=f"layout density {real:.3f} ({blk}x{blk} blocks)"))
+
+  _plot(series, sparse_pts, run_dir(NAME, out_dir))
+  write_result(NAME, rows, config={"heads": HEADS, "head_dim": HEAD_DIM, "batch": 1,
+                                   "dtype": "float32", "lengths": lengths, "peer_len": peer_len,
+                                   "sparse_len": sparse_len, "iters": iters,
+                                   "matmul_peak_gflops": peak},
+               quick=quick, out_dir=out_dir)
+  return rows
+
+
+def _plot(series, sparse_pts, folder):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+  t = series["t"]
+  naive_t = [(x, y) for x, y in zip(t, series["naive_ms"]) if y is not None]
+  ax[0].loglog(*zip(*naive_t), "o-", label="naive dense")
+  ax[0].loglog(t, series["ours_ms"], "s-", label="xla blockwise")
+  ax[0].set(xlabel="tokens", ylabel="forward ms", title="time")
+  ax[1].loglog(t, series["naive_mib"], "o-", label="naive dense")
+  ax[1].loglog(t, series["ours_mib"], "s-", label="xla blockwise")
+  ax[1].set(xlabel="tokens", ylabel="compiled peak MiB", title="memory")
+  d, r = zip(*sparse_pts)
+  ax[2].plot(d, r, "s-", label="measured dense/sparse")
+  ax[2].plot(d, [1 / x for x in d], "k--", label="ideal 1/density")
+  ax[2].set(xlabel="layout density", ylabel="speedup over dense", title="block-sparse")
+  for a in ax:
+    a.legend()
+    a.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(folder / "attention.png", dpi=100)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  import sys
+  from experiments._cli import main
+  sys.exit(main("attention"))

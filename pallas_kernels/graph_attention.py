@@ -1,0 +1,183 @@
+"""Pallas kernel: masked dense attention on the tiles of a reordered graph (ECR dense blocks).
+
+XLA twin: ``jaxsys.ops.graph_attention._tile_partials_xla`` (used by
+``jaxsys.ops.graph_attention.tile_graph_attention(..., impl="xla")``).
+
+Input tiles are gathered by the caller: ``qt, kt, vt [T, B, H, D]`` (query block ``rows[t]``,
+key block ``cols[t]``) and the adjacency bits ``[T, B, B]``. One program per (tile, head)
+computes ``S = Q K^T * scale`` masked by the bits, and returns the tile-normalised output and
+its float32 log-sum-exp (``-inf`` on rows with no visible key); the caller merges tiles of the
+same query block with the log-sum-exp rule. Keys are visited ``block_k`` at a time with an online
+softmax (FlashAttention-2, Dao 2023). The backward recomputes ``P = exp(S - lse)`` per tile:
+``dV = P^T dO``, ``dS = P (dO V^T - delta + dlse)``, ``dQ = dS K scale``, ``dK = dS^T Q scale``
+with ``delta = rowsum(dO * O)``.
+
+Triton wants power-of-two sizes: ``B``, ``D`` and ``block_k`` must be powers of two (B >= 16 for
+``tl.dot``); Mosaic TPU accepts the full ``(B, D)`` tiles as blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxsys.core.errors import ConfigError, ShapeError
+
+
+@dataclasses.dataclass(frozen=True)
+class TileBlocks:
+  """Key sub-block of a tile (None: the whole tile) and Triton launch parameters."""
+  block_k: int | None = None
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    if self.block_k is not None and (self.block_k <= 0 or self.block_k & (self.block_k - 1)):
+      raise ConfigError(f"block_k={self.block_k} must be a positive power of two")
+    if self.num_warps <= 0 or self.num_warps & (self.num_warps - 1):
+      raise ConfigError(f"num_warps={self.num_warps} must be a positive power of two")
+    if self.num_stages <= 0:
+      raise ConfigError(f"num_stages={self.num_stages} must be positive")
+
+  def resolve(self, b: int) -> int:
+    bk = self.block_k or b
+    if b % bk:
+      raise ConfigError(f"block_k={bk} must divide the tile size {b}")
+    return bk
+
+
+def _dot_t(a, b):  # a [m, d] . b[n, d]^T -> [m, n]
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, bits_ref, o_ref, lse_ref, *, scale, block_k):
+  b, d = q_ref.shape
+  q = q_ref[...].astype(jnp.float32)
+
+  def body(j, carry):
+    m, l, acc = carry
+    ks = pl.ds(j * block_k, block_k)
+    k = k_ref[ks, :].astype(jnp.float32)
+    v = v_ref[ks, :].astype(jnp.float32)
+    vis = bits_ref[:, ks] != 0
+    s = jnp.where(vis, _dot_t(q, k) * scale, -jnp.inf)  # [B, block_k]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.where(vis, jnp.exp(s - m_safe[:, None]), 0.0)
+    alpha = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_safe))
+    l = alpha * l + jnp.sum(p, axis=1)
+    acc = alpha[:, None] * acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+  init = (jnp.full((b,), -jnp.inf, jnp.float32), jnp.zeros((b,), jnp.float32),
+          jnp.zeros((b, d), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, b // block_k, body, init)
+  safe_l = jnp.where(l > 0, l, 1.0)
+  o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, bits_ref, o_ref, lse_ref, do_ref, dlse_ref,
+                dq_ref, dk_ref, dv_ref, *, scale, block_k):
+  b, d = q_ref.shape
+  q = q_ref[...].astype(jnp.float32)
+  do = do_ref[...].astype(jnp.float32)
+  lse = lse_ref[...]
+  lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+  delta = jnp.sum(do * o_ref[...].astype(jnp.float32), axis=1) - dlse_ref[...]  # [B]
+
+  def body(j, dq):
+    ks = pl.ds(j * block_k, block_k)
+    k = k_ref[ks, :].astype(jnp.float32)
+    v = v_ref[ks, :].astype(jnp.float32)
+    vis = bits_ref[:, ks] != 0
+    p = jnp.where(vis, jnp.exp(_dot_t(q, k) * scale - lse_safe[:, None]), 0.0)  # [B, bk]
+    dv_ref[ks, :] = jax.lax.dot_general(p, do, (((0,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32).astype(dv_ref.dtype)
+    ds = p * (_dot_t(do, v) - delta[:, None]) * scale
+    dk_ref[ks, :] = jax.lax.dot_general(ds, q, (((0,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32).astype(dk_ref.dtype)
+    return dq + jnp.dot(ds, k, preferred_element_type=jnp.float32)
+
+  dq = jax.lax.fori_loop(0, b // block_k, body, jnp.zeros((b, d), jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _specs(t, h, b, d):
+  tile = pl.BlockSpec((None, None, b, d), lambda i, j: (i, j, 0, 0))  # [T, H, B, D]
+  bits = pl.BlockSpec((None, b, b), lambda i, j: (i, 0, 0))
+  row = pl.BlockSpec((None, None, b), lambda i, j: (i, j, 0))  # [T, H, B]
+  return tile, bits, row
+
+
+def _params(blocks):
+  from jax.experimental.pallas import triton as plgpu
+  return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def tile_attention_fwd_call(qh, kh, vh, bits, *, scale, blocks: TileBlocks, interpret: bool):
+  """Raw forward pallas_call on head-major tiles ``[T, H, B, D]``, bits int8 ``[T, B, B]``."""
+  t, h, b, d = qh.shape
+  tile, bit_spec, row = _specs(t, h, b, d)
+  kernel = functools.partial(_fwd_kernel, scale=scale, block_k=blocks.resolve(b))
+  return pl.pallas_call(
+      kernel, grid=(t, h), in_specs=[tile, tile, tile, bit_spec], out_specs=[tile, row],
+      out_shape=[jax.ShapeDtypeStruct(qh.shape, qh.dtype),
+                 jax.ShapeDtypeStruct((t, h, b), jnp.float32)],
+      interpret=interpret, compiler_params=None if interpret else _params(blocks),
+      name="graph_tile_attention_fwd")(qh, kh, vh, bits)
+
+
+def tile_attention_bwd_call(qh, kh, vh, bits, oh, lse, doh, dlse, *, scale, blocks: TileBlocks,
+                            interpret: bool):
+  """Raw backward pallas_call: ``(dq, dk, dv)`` head-major tiles."""
+  t, h, b, d = qh.shape
+  tile, bit_spec, row = _specs(t, h, b, d)
+  kernel = functools.partial(_bwd_kernel, scale=scale, block_k=blocks.resolve(b))
+  return pl.pallas_call(
+      kernel, grid=(t, h), in_specs=[tile, tile, tile, bit_spec, tile, row, tile, row],
+      out_specs=[tile, tile, tile],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (qh, kh, vh)],
+      interpret=interpret, compiler_params=None if interpret else _params(blocks),
+      name="graph_tile_attention_bwd")(qh, kh, vh, bits, oh, lse, doh, dlse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _tile_attention(qh, kh, vh, bits, scale, blocks, interpret):
+  return tile_attention_fwd_call(qh, kh, vh, bits, scale=scale, blocks=blocks, interpret=interpret)
+
+
+def _tile_attention_fwd(qh, kh, vh, bits, scale, blocks, interpret):
+  o, lse = tile_attention_fwd_call(qh, kh, vh, bits, scale=scale, blocks=blocks, interpret=interpret)
+  return (o, lse), (qh, kh, vh, bits, o, lse)
+
+
+def _tile_attention_bwd(scale, blocks, interpret, res, cts):
+  qh, kh, vh, bits, o, lse = res
+  do, dlse = cts
+  dq, dk, dv = tile_attention_bwd_call(qh, kh, vh, bits, o, lse, do.astype(o.dtype),
+                                       dlse.astype(jnp.float32), scale=scale, blocks=blocks,
+                                       interpret=interpret)
+  return dq, dk, dv, None
+
+
+_tile_attention.defvjp(_tile_attention_fwd, _tile_attention_bwd)
+
+
+def tile_attention(qt, kt, vt, bits, *, scale: float, blocks: TileBlocks | None = None,
+                   interpret: bool = False):
+  """Masked attention per tile: ``qt, kt, vt [T, B, H, D]``, ``bits bool [T, B, B]`` ->
+  ``(o [T, B, H, D], lse [T, H, B] float32)``; differentiable (custom VJP)."""
+  blocks = blocks or TileBlocks()
+  if qt.ndim != 4 or kt.shape != qt.shape or vt.shape != qt.shape:
+    raise ShapeError(f"qt/kt/vt must share [T, B, H, D], got {qt.shape}, {kt.shape}, {vt.shape}")
+  t, b, h, d = qt.shape
+  if bits.shape != (t, b, b):
+    raise ShapeError(f"bits must be [T={t}, B={b}, B={b}], got {bits.shape}")
+  qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (qt, kt, vt))  # [T, H, B, D]
+  o, lse = _tile_attention(qh, kh, vh, bits.astype(jnp.int8), float(scale), blocks, interpret)
+  return jnp.swapaxes(o, 1, 2), lse
