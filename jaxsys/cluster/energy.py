@@ -2,10 +2,10 @@
 
 1. Forecast active-node demand ``h`` minutes ahead with gradient-boosted trees over lag,
    rolling-window and calendar features of the per-minute active-node series.
-2. Power policy: keep ``powered = min(total, ceil(max(forecast over the hold window, active now))
-   + buffer)`` nodes on; power a node down only after it has been surplus for ``hold`` minutes
-   (no flapping); when demand exceeds the powered-on nodes, wake nodes (a wake-up event) and
-   the arriving work waits ``wake_latency`` minutes.
+2. Power policy: target ``min(total, ceil(max(forecast, active now)) + buffer)`` nodes on;
+   nodes are woken as soon as the target rises (taking ``wake_latency`` minutes) and powered down
+   only after the target stayed below the powered-on count for ``hold`` minutes (no flapping);
+   demand above the powered-on nodes waits for a wake-up.
 3. Report node-hours powered off, utilisation of powered-on nodes before/after, wake-up events,
    and node-minutes of demand that would have waited for a wake-up.
 
@@ -86,7 +86,8 @@ def features(active: np.ndarray, hour: np.ndarray, weekday: np.ndarray) -> np.nd
 
 
 class DemandForecaster:
-  """Predicts the max active nodes over the next ``horizon`` minutes (HistGradientBoosting)."""
+  """Predicts the max active nodes over the next ``horizon`` minutes (HistGradientBoosting
+  on the rise above the current level, so the forecast follows level shifts)."""
 
   def __init__(self, horizon: int = 10, max_iter: int = 100, stride: int = 5, seed: int = 0):
     if horizon <= 0 or stride <= 0:
@@ -108,8 +109,8 @@ class DemandForecaster:
     if len(idx) < 100:
       raise ConfigError(f"training range end={end} is too short for horizon {self.horizon}")
     self.model = HistGradientBoostingRegressor(max_iter=self.max_iter, random_state=self.seed)
-    with single_thread():
-      self.model.fit(x[idx], y[idx])
+    with single_thread():  # target: rise over the current level (trees cannot extrapolate levels)
+      self.model.fit(x[idx], y[idx] - seq.active[:end][idx])
     return self
 
   def forecast(self, seq: NodeSequence) -> np.ndarray:
@@ -117,7 +118,7 @@ class DemandForecaster:
       raise ConfigError("DemandForecaster.forecast called before fit")
     from jaxsys.cluster.estimators import single_thread
     with single_thread():
-      return self.model.predict(features(seq.active, seq.hour, seq.weekday))
+      return seq.active + self.model.predict(features(seq.active, seq.hour, seq.weekday))
 
   def mae(self, seq: NodeSequence, start: int) -> tuple[float, float]:
     """(model MAE, last-value MAE) of the horizon-max target from ``start`` on."""
@@ -185,6 +186,13 @@ def simulate_power(seq: NodeSequence, forecast: np.ndarray, *, start: int = 0, e
       waited += active[t] - on
       waited_events += 1
     target = min(total[t], np.ceil(max(fc[t], active[t])) + buffer)
+    pending = sum(n for _, n in waking)
+    if target > on + pending:  # forecast rises: wake nodes ahead of the demand
+      wake_events += 1
+      if wake_latency == 0:
+        on = target
+      else:
+        waking.append((t + wake_latency, target - on - pending))
     if target < on:
       surplus_since = t if surplus_since is None else surplus_since
       if t - surplus_since >= hold:

@@ -41,7 +41,7 @@ class VideoSpec:
   patch_dim: int = 8
   tokens_per_frame: int = 2
   num_classes: int = 8
-  noise: float = 0.5
+  noise: float = 0.3
   seed: int = 1234  # fixes the marker and glyph prototypes (the "visual world")
 
   def __post_init__(self):

@@ -93,21 +93,22 @@ def answer_greedy(model, raw: dict, plan: api.SPPlan, num_frame_tokens: int, log
 
 def vniah_grid(model, spec: video.VideoSpec, *, frames, depths, samples: int = 8, seed: int = 7,
                plan: api.SPPlan | None = None) -> Grid:
-  """Exact-match rate for every (frames, depth) cell, ``samples`` videos per cell."""
+  """Exact-match rate for every (frames, depth) cell, ``samples`` videos per cell.
+
+  All depths of one frame count go in one batch (one compiled program per frame count).
+  """
   plan = plan or model.plan or api.SPPlan("ring", (), (), 1, 1, "contiguous")
-  logits_cache = {}
   acc = np.zeros((len(frames), len(depths)))
+  row_depth = np.repeat(np.asarray(depths, float), samples)
   for i, n in enumerate(frames):
     max_frames = _frames_bucket(n, plan.degree)
     seq = seq_bucket(n, spec, plan.chunk_multiple())
-    for j, d in enumerate(depths):
-      raw = video.video_qa_batch(spec, seed=seed, step=1000 * i + j, batch_size=samples,
-                                 n_frames=n, seq_len=seq, max_frames=max_frames,
-                                 depths=[d] * samples)
-      fn = logits_cache.setdefault((seq, max_frames), _logits_fn(model))
-      with _mesh_ctx(model):
-        preds = answer_greedy(model, raw, plan, model.cfg.num_frame_tokens(max_frames), fn)
-      acc[i, j] = float(np.mean(np.all(preds == raw["codes"], axis=1)))
+    raw = video.video_qa_batch(spec, seed=seed, step=i, batch_size=len(row_depth), n_frames=n,
+                               seq_len=seq, max_frames=max_frames, depths=row_depth)
+    with _mesh_ctx(model):
+      preds = answer_greedy(model, raw, plan, model.cfg.num_frame_tokens(max_frames))
+    hit = np.all(preds == raw["codes"], axis=1).reshape(len(depths), samples)
+    acc[i] = hit.mean(1)
   return Grid(list(frames), list(depths), acc)
 
 

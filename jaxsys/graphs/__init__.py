@@ -24,4 +24,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "reorder_dataset": "partition", "cluster_reorder": "partition",
     "BlockLayout": "blocks", "block_layout": "blocks", "ReformConfig": "blocks",
     "ReformedGraph": "blocks", "reform": "blocks",
+    "tune_threshold": "tuner", "TunerResult": "tuner", "TunerRecord": "tuner",
 })

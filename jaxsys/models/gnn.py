@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -83,13 +84,15 @@ class GNN(nnx.Module):
     """Returns ``(logits [N, classes], bits_info)``; ``seed`` (int) drives dropout in training.
 
     Dropout is the counter-hash dropout of ``jaxsys.quant.random`` (cheap on CPU, identical
-    under graph partitioning).
+    under graph partitioning), applied after each layer's feature quantizer.
     """
     bits_info = []
     for i, layer in enumerate(self.layers):
+      drop = None
       if train and self.cfg.dropout > 0:
-        x = hash_dropout(x, jnp.asarray(seed, jnp.uint32) * 7919 + i, self.cfg.dropout)
-      x, info = layer(x, edges)
+        layer_seed = jnp.asarray(seed, jnp.uint32) * 7919 + i
+        drop = functools.partial(hash_dropout, seed=layer_seed, rate=self.cfg.dropout)
+      x, info = layer(x, edges, dropout=drop)
       bits_info += info
       if i < len(self.layers) - 1:
         x = jax.nn.relu(x)

@@ -4,7 +4,8 @@
   Strategy with m learned pairs (``nns_pairs > 0``) so the layer quantizes unseen graphs.
 * ``WeightQuantizer``: per-output-channel (step, bits) ``[1, out]``.
 * ``QuantLinear``, ``GCNConv``, ``GINConv``, ``GATConv``: quantize the layer input features and
-  the weights, then combine (``X_q W_q``) and aggregate over the graph.
+  the weights, then combine (``X_q W_q``) and aggregate over the graph. An optional ``dropout``
+  callable is applied after the feature quantizer.
 
 Quantizer parameters are ``StepParam`` / ``BitsParam`` (subclasses of ``nnx.Param``) so an
 optimizer can give them their own learning rates. Each layer call returns ``(out, bits_info)``
@@ -147,11 +148,16 @@ class QuantLinear(nnx.Module):
     return y
 
 
-def _maybe_quantize(fq: FeatureQuantizer | None, x):
-  if fq is None:
-    return x, []
-  xq, info = fq(x)
-  return xq, [info]
+def _maybe_quantize(fq: FeatureQuantizer | None, x, dropout=None):
+  """Quantizes (if fq) and then applies ``dropout``: the quantizer sees the same distribution
+  in training and inference (the stored / packed features are the pre-dropout ones)."""
+  info = []
+  if fq is not None:
+    x, i = fq(x)
+    info = [i]
+  if dropout is not None:
+    x = dropout(x)
+  return x, info
 
 
 def _scatter(msg, receivers, num_nodes):
@@ -167,9 +173,9 @@ class GCNConv(nnx.Module):
                if quant is not None else None)
     self.lin = QuantLinear(din, dout, quant, rngs=rngs)
 
-  def __call__(self, x, edges):
+  def __call__(self, x, edges, dropout=None):
     s, r, w = edges
-    x, info = _maybe_quantize(self.fq, x)
+    x, info = _maybe_quantize(self.fq, x, dropout)
     h = self.lin(x, bias=False)                                # [nodes, out]
     out = _scatter(h[s] * w[:, None], r, x.shape[0]) + self.lin.bias[...]
     return out, info
@@ -187,9 +193,9 @@ class GINConv(nnx.Module):
     self.lin1 = QuantLinear(din, dout, quant, rngs=rngs)
     self.lin2 = QuantLinear(dout, dout, quant, rngs=rngs)
 
-  def __call__(self, x, edges):
+  def __call__(self, x, edges, dropout=None):
     s, r, _ = edges
-    x, info = _maybe_quantize(self.fq, x)
+    x, info = _maybe_quantize(self.fq, x, dropout)
     agg = (1.0 + self.eps[...]) * x + _scatter(x[s], r, x.shape[0])  # [nodes, in]
     h = jax.nn.relu(self.lin1(agg))
     h, info2 = _maybe_quantize(self.fq_hidden, h)
@@ -213,10 +219,10 @@ class GATConv(nnx.Module):
     self.att_dst = nnx.Param(init(rngs.params(), (heads, dout), jnp.float32))
     self.bias = nnx.Param(jnp.zeros((heads * dout if concat else dout,), jnp.float32))
 
-  def __call__(self, x, edges):
+  def __call__(self, x, edges, dropout=None):
     s, r, _ = edges
     n = x.shape[0]
-    x, info = _maybe_quantize(self.fq, x)
+    x, info = _maybe_quantize(self.fq, x, dropout)
     h = self.lin(x).reshape(n, self.heads, self.dout)               # [nodes, heads, out]
     a_s = jnp.einsum("nhc,hc->nh", h, self.att_src[...])
     a_d = jnp.einsum("nhc,hc->nh", h, self.att_dst[...])

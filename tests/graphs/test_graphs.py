@@ -128,3 +128,25 @@ def test_bad_inputs_raise_clear_errors():
     G.ReformConfig(mode="fast")
   with pytest.raises(ConfigError, match="num_communities"):
     G.sbm_graph(100, num_classes=4, num_communities=2)
+
+
+def test_threshold_tuner_picks_fastest_with_loss_progress():
+  now = [0.0]  # a fake clock: each step advances it by the candidate's cost
+
+  def make_step(thr):
+    state = {"loss": 1.0}
+
+    def step():
+      now[0] += {0.1: 1.0, 0.5: 3.0, 0.9: 0.5}[thr]
+      state["loss"] -= 0.01 if thr == 0.9 else 0.1  # 0.9 is fastest but barely trains
+      return state["loss"]
+    return step
+
+  res = G.tune_threshold(make_step, [0.1, 0.5, 0.9], steps=3, clock=lambda: now[0])
+  assert res.threshold == 0.1
+  assert [r.step_ms for r in res.records] == [1000.0, 3000.0, 500.0]
+  assert res.records[2].loss_progress < res.records[0].loss_progress
+  loose = G.tune_threshold(make_step, [0.1, 0.9], steps=3, loss_tolerance=0.95, clock=lambda: now[0])
+  assert loose.threshold == 0.9
+  with pytest.raises(ConfigError, match="candidates"):
+    G.tune_threshold(make_step, [])

