@@ -32,15 +32,17 @@ def _config(quick: bool) -> dict:
   return {
       "seeds": [0] if quick else [0, 1, 2],
       "gcn_epochs": 100 if quick else 200,
-      "a2q": {"target_bits": 1.5, "init_feature_bits": 4.0, "init_weight_bits": 4.0,
-              "penalty": 0.1, "local_gradient": True},
+      "a2q": {"target_bits": 1.0, "init_feature_bits": 4.0, "init_weight_bits": 4.0,
+              "penalty": 0.5, "local_gradient": True},
       "degree_aware": {"target_bits": 1.5, "slope": 1.0, "weight": 0.01},
-      "sylvie_epochs": 60 if quick else 200,
+      "sylvie_epochs": 40 if quick else 200,
+      "sylvie_lr": 0.02 if quick else 0.01,
       "sylvie_eval_every": 10 if quick else 5,
       "sylvie_parts": 8,
-      "palquant_epochs": 6 if quick else 30,
+      "palquant_epochs": 5 if quick else 30,
       "palquant_seeds": [0] if quick else [0, 1],
-      "palquant_channels": 16,
+      "palquant_channels": 8 if quick else 16,
+      "palquant_lr": 1e-2 if quick else 3e-3,
   }
 
 
@@ -194,9 +196,10 @@ def _sylvie_section(ds, cfg, out):
   dims = (ds.num_features, 16, ds.num_classes)
   params = init_gcn_params(jax.random.key(0), dims)
   results = {}
-  for name, sc in [("fp32", SylvieConfig(quantize=False)),
-                   ("1bit_s0", SylvieConfig(quantize=True, staleness=0)),
-                   ("1bit_s1", SylvieConfig(quantize=True, staleness=1))]:
+  lr = cfg["sylvie_lr"]
+  for name, sc in [("fp32", SylvieConfig(quantize=False, lr=lr)),
+                   ("1bit_s0", SylvieConfig(quantize=True, staleness=0, lr=lr)),
+                   ("1bit_s1", SylvieConfig(quantize=True, staleness=1, lr=lr))]:
     tr = SylvieTrainer(plan, dims, sc, mesh)
     state = tr.init(params, ds.features, ds.labels, ds.train_mask)
     wire = tr.measured_wire_bytes(state)
@@ -267,7 +270,8 @@ def _palquant_section(cfg):
             ("W2A2 G=2 (PalQuant)", PalQuantConfig(groups=2, w_bits=2, a_bits=2, channels=c))]
   acc = {}
   for name, pc in setups:
-    rs = [train_digits(pc, seed=s, epochs=cfg["palquant_epochs"], data=data)
+    rs = [train_digits(pc, seed=s, epochs=cfg["palquant_epochs"], data=data,
+                       lr=cfg["palquant_lr"])
           for s in cfg["palquant_seeds"]]
     acc[name] = (100 * float(np.mean([r["test_acc"] for r in rs])), rs[0]["bitops"])
   pq = acc["W2A2 G=2 (PalQuant)"]

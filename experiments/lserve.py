@@ -15,9 +15,7 @@
 
 from __future__ import annotations
 
-import functools
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -288,7 +286,7 @@ def accuracy_rows(quick: bool, out) -> list[Row]:
                   ours=stream, baseline=dense, baseline_name="dense", ratio=stream - dense,
                   note="ratio = points vs dense; gates " + json.dumps(gates.streaming)))
   print(f"  accuracy dense {dense:.1f}%, streaming-only {stream:.1f}%", flush=True)
-  fractions = (8, 4) if quick else (16, 8, 4)
+  fractions = (4,) if quick else (16, 8, 4)
   for frac in fractions:
     budget = max(page, ctx // frac // page * page)
     for name, ls, flags in (
@@ -303,7 +301,23 @@ def accuracy_rows(quick: bool, out) -> list[Row]:
                       note=f"ratio = points vs dense; {page}-token pages, {ls.logical_page_size}-token "
                       "logical pages, at least 3 pages"))
       print(f"  accuracy {name} budget {budget}: {acc:.1f}% (dense {dense:.1f}%)", flush=True)
+  _plot_accuracy(rows, out)
   return rows
+
+
+def _plot_accuracy(rows, out):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1))
+  labels = [r.metric.split(" ", 3)[-1] for r in rows]
+  ax.barh(range(len(rows)), [r.ours for r in rows])
+  ax.set_yticks(range(len(rows)), labels, fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlabel("passkey accuracy (%)")
+  fig.tight_layout()
+  fig.savefig(out / "accuracy.png", dpi=100)
+  plt.close(fig)
 
 
 def _plot(curve, out):

@@ -68,11 +68,11 @@ def run(quick: bool, out_dir: str):
   f1, f2 = 8, 32                      # short stage / extension stage frame counts
   theta, theta_scale = 1e4, 4.0
   if quick:
-    s1, s2, bs, lr = 600, 250, 32, 5e-3
-    grid_frames, depths, samples = [8, 16, 32, 64], [0.0, 0.5, 1.0], 4
+    s1, s2, bs, lr = 300, 150, 32, 5e-3
+    grid_frames, depths, samples = [8, 32, 64], [0.0, 0.5, 1.0], 4
     train_sp = False                  # CPU budget: the train step is verified equal under SP by tests
   else:
-    s1, s2, bs, lr = 1500, 600, 32, 5e-3
+    s1, s2, bs, lr = 800, 400, 32, 5e-3
     grid_frames, depths, samples = [4, 8, 16, 32, 48, 64], [0.0, 0.25, 0.5, 0.75, 1.0], 8
     train_sp = True
   cfg = VLMConfig()

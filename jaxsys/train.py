@@ -115,29 +115,30 @@ def _split_micro(batch, accum):
   return jax.tree.map(one, batch)
 
 
-def make_train_step(graphdef, template, rest, tx, loss_fn, accum: int):
-  """``(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted with donation."""
+def make_train_step(graphdef, template, tx, loss_fn, accum: int):
+  """``(params, opt_state, rest, batch) -> (params, opt_state, metrics)``, jitted with donation;
+  ``rest`` is the model's non-parameter state (passed through unchanged)."""
 
-  def micro_loss(params, mb):
+  def micro_loss(params, rest, mb):
     model = nnx.merge(graphdef, _to_state(template, params), rest)
     total, count, metrics = loss_fn(model, mb)
     return total, (count, metrics)
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-  def step(params, opt_state, batch):
+  def step(params, opt_state, rest, batch):
     micro = _split_micro(batch, accum)
 
     def body(carry, mb):
       gsum, lsum, csum, msum = carry
-      (total, (count, metrics)), g = grad_fn(params, mb)
+      (total, (count, metrics)), g = grad_fn(params, rest, mb)
       gsum = jax.tree.map(jnp.add, gsum, g)
       msum = jax.tree.map(jnp.add, msum, metrics)
       return (gsum, lsum + total, csum + count, msum), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     first = jax.tree.map(lambda x: x[0], micro)
-    m0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_loss(params, first)[1][1]))
+    m0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_loss(params, rest, first)[1][1]))
     (gsum, lsum, csum, msum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0, m0), micro)
     denom = jnp.maximum(csum, 1.0)
     grads = jax.tree.map(lambda g: g / denom, gsum)
@@ -148,6 +149,21 @@ def make_train_step(graphdef, template, rest, tx, loss_fn, accum: int):
     return params, opt_state, metrics
 
   return jax.jit(step, donate_argnums=(0, 1))
+
+
+_STEP_CACHE: dict = {}
+
+
+def _cached_step(graphdef, template, cfg: TrainConfig, loss_fn):
+  """Reuses the jitted step across ``train`` calls on models of the same graph and config (a
+  resumed run does not recompile)."""
+  key = (graphdef, cfg, loss_fn)
+  if key not in _STEP_CACHE:
+    if len(_STEP_CACHE) > 16:
+      _STEP_CACHE.clear()
+    _STEP_CACHE[key] = make_train_step(graphdef, template, make_optimizer(cfg), loss_fn,
+                                       cfg.accum_steps)
+  return _STEP_CACHE[key]
 
 
 def _to_state(template, pure):
@@ -195,7 +211,7 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
       restored = ckpt.restore(like={"params": params, "opt_state": opt_state, "step": 0})
       params, opt_state, start = restored["params"], restored["opt_state"], int(restored["step"])
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
-  step_fn = make_train_step(graphdef, template, rest, tx, loss_fn, cfg.accum_steps)
+  step_fn = _cached_step(graphdef, template, cfg, loss_fn)
   end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
   history: list[dict[str, float]] = []
   bar = None
@@ -207,7 +223,7 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
   with ctx:
     for step in range(start, end):
       batch = _place_batch(batches(step), mesh)
-      params, opt_state, metrics = step_fn(params, opt_state, batch)
+      params, opt_state, metrics = step_fn(params, opt_state, rest, batch)
       done = step + 1
       if done % cfg.log_every == 0 or done == end:
         row = {"step": done, **{k: float(v) for k, v in jax.device_get(metrics).items()},

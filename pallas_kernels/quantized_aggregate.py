@@ -10,6 +10,9 @@ is field-major: feature ``k*W + w`` is field k of word w) and accumulates
 ``weight_e * scale[src] * code`` in float32 registers laid out ``[fields, words]``. The wrapper
 reshapes ``[N, fields, words] -> [N, F]``.
 
+The op is an inference path (its inputs are integer codes), so it has no custom_vjp; training
+uses the float fake-quantized layers of ``jaxsys.nn.quantized``.
+
 Triton wants power-of-two block shapes: fields and words are padded to powers of two inside
 the kernel (masked), and the edge / row arrays are padded to powers of two by the wrapper.
 """

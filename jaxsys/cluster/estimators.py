@@ -217,7 +217,10 @@ def estimator_error(estimator, jobs: Sequence[Job], online: bool = True) -> dict
   error and the fraction of predictions within a factor of 2.
   """
   pred, true = [], []
-  for j in sorted(_finished(jobs), key=lambda j: j.submit):
+  jobs = sorted(_finished(jobs), key=lambda j: j.submit)
+  if hasattr(estimator, "precompute"):
+    estimator.precompute(jobs)  # batch the job-only features (no future information)
+  for j in jobs:
     pred.append(max(estimator.predict(j), 0.0))
     true.append(j.duration)
     if online and hasattr(estimator, "update"):

@@ -20,7 +20,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxsys.cluster.trace import Job, RowReader, Trace, TraceError, normalise_state, read_csv_rows
+from jaxsys.cluster.trace import (Job, RowReader, Trace, TraceError, normalise_state, read_csv_rows,
+                                  read_header)
 from jaxsys.core.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "traces"
@@ -287,7 +288,7 @@ def load_trace(path: str | Path, fmt: str = "auto", *, on_error: str = "raise") 
     if path.suffix == ".json":
       fmt = "philly"
     else:
-      header, _ = read_csv_rows(path)
+      header = read_header(path)
       fmt = ("alibaba" if "pod_phase" in header else "acme" if "fail_time" in header or
              "mem_per_pod_GB" in header else "helios")
   if fmt not in loaders:

@@ -169,6 +169,16 @@ def read_csv_rows(path: str | Path) -> tuple[list[str], Iterable[tuple[int, dict
   return header, rows()
 
 
+def read_header(path: str | Path) -> list[str]:
+  """The column names of a CSV (plain or .gz) without reading its rows."""
+  import gzip
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"trace file {path} does not exist")
+  with (gzip.open if path.suffix == ".gz" else open)(path, "rt", newline="") as f:
+    return next(csv.reader(f), [])
+
+
 def validate(jobs: Sequence[Job], *, max_gpus: int | None = None) -> None:
   """Raises TraceError naming the job and field for inconsistent records.
 

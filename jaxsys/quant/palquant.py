@@ -191,7 +191,7 @@ def train_digits(cfg: PalQuantConfig, *, seed: int = 0, epochs: int = 30, batch:
   """Trains ``PalQuantNet`` on digits; returns test accuracy and bit-op cost per image."""
   xtr, xte, ytr, yte = data if data is not None else load_digits_split(0)
   net = PalQuantNet(cfg, rngs=nnx.Rngs(seed))
-  net.calibrate(jnp.asarray(xtr[:256]))
+  nnx.jit(lambda m, x: m.calibrate(x))(net, jnp.asarray(xtr[:256]))
   graphdef, params, rest = nnx.split(net, nnx.Param, ...)
   tx = optax.adam(optax.cosine_decay_schedule(lr, epochs * (len(xtr) // batch)))
   opt = tx.init(params)

@@ -235,7 +235,6 @@ class Engine:
 
   def _step(self, slots, key, s, reselect):
     """One decode step over all slots: writes each live request's last token, samples the next."""
-    b = self.config.max_batch
     rids = [None if r is None else r.index for r in slots]
     for rid in rids:
       if rid is not None:
@@ -258,7 +257,6 @@ class Engine:
     for i, rid in enumerate(rids):
       if rid is not None:
         self.cache.seqs[rid].length += 1
-    del b
     return np.asarray(logits), np.asarray(toks)
 
 

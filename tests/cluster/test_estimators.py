@@ -34,20 +34,24 @@ def baseline(split):
   return estimator_error(Median(train), test, online=False)
 
 
-def test_gb_beats_median_on_real_split(split, baseline):
+@pytest.fixture(scope="module")
+def gb(split):
+  return GBEstimator(max_iter=30).fit(split[0])
+
+
+def test_gb_beats_median_on_real_split(split, baseline, gb):
   train, test = split
-  gb = GBEstimator(max_iter=40).fit(train)
   err = estimator_error(gb, test, online=False)
   assert err["n"] == len(test)
   assert err["mae_log"] < baseline["mae_log"]
 
 
-def test_history_online_and_blend(split, baseline):
+def test_history_online_and_blend(split, baseline, gb):
   train, test = split
   hist = HistoryEstimator().fit(train)
   err = estimator_error(hist, test, online=True)
   assert err["mae_log"] < baseline["mae_log"]
-  blend = BlendEstimator(HistoryEstimator(), GBEstimator(max_iter=40)).fit(train)
+  blend = BlendEstimator(HistoryEstimator().fit(train), gb)
   assert estimator_error(blend, test)["mae_log"] < baseline["mae_log"]
 
 

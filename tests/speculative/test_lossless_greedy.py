@@ -37,8 +37,8 @@ def setup():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, CFG.vocab_size, size=int(rng.integers(2, 8))).tolist() for _ in range(8)]
   ref = generate(model, prompts, max_new_tokens=12, stop_tokens=(STOP,))
-  # Brief online-style training on the features of a vanilla rollout (8 rows >= threshold).
-  res = engine.generate(prompts)
+  # Brief online-style training on the features of a vanilla rollout.
+  res = engine.generate(prompts, speculative=False)
   assert res.stats["spec_steps"] == 0 and res.tokens == ref.tokens
   buffer = online.DrafterBuffer()
   buffer.add(0, res.sequences, res.features, res.prompt_lengths)
