@@ -39,10 +39,10 @@ def _config(quick: bool) -> dict:
       "sylvie_lr": 0.02 if quick else 0.01,
       "sylvie_eval_every": 10 if quick else 5,
       "sylvie_parts": 8,
-      "palquant_epochs": 5 if quick else 30,
+      "palquant_epochs": 12 if quick else 30,
       "palquant_seeds": [0] if quick else [0, 1],
       "palquant_channels": 8 if quick else 16,
-      "palquant_lr": 1e-2 if quick else 3e-3,
+      "palquant_lr": 5e-3 if quick else 3e-3,
   }
 
 

@@ -38,7 +38,7 @@ THRESHOLDS = (0.02, 0.05, 0.1)
 
 def _settings(quick: bool) -> dict:
   if quick:
-    return dict(seeds=[0, 1], steps=100, sizes=[10_000, 100_000], dense_max=10_000,
+    return dict(seeds=[0, 1], steps=80, sizes=[10_000, 100_000], dense_max=10_000,
                 train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
                 mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2)
   return dict(seeds=list(range(10)), steps=200, sizes=[10_000, 100_000, 1_000_000],

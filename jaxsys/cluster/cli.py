@@ -47,6 +47,23 @@ def _run(args, policy, nodes, estimator_name):
                   config=SimConfig(placement=args.placement, seed=args.seed))
 
 
+COMPARE = ("gpu_job_num", "avg_run_time_gpu", "med_run_time_gpu", "avg_que_time_gpu", "avg_gpu_num",
+           "complete_rate_gpu", "fail_rate_gpu")
+
+
+def compare_table(ours: dict) -> str:
+  """Markdown table: this trace's statistics beside the Helios clusters'."""
+  from jaxsys.cluster.loaders import HELIOS_SUMMARY, data_path
+  from jaxsys.cluster.trace import load_helios_summary
+  helios = load_helios_summary(data_path(HELIOS_SUMMARY))
+  names = ["this trace"] + list(helios)
+  lines = ["| statistic | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  for k in COMPARE:
+    vals = [ours.get(k)] + [helios[c].get(k) for c in helios]
+    lines.append(f"| {k} | " + " | ".join("-" if v is None else f"{v:.3g}" for v in vals) + " |")
+  return "\n".join(lines)
+
+
 def _common(p):
   p.add_argument("trace", nargs="?", default=None)
   p.add_argument("--format", default="auto")
@@ -67,6 +84,8 @@ def main(argv=None) -> int:
   s.add_argument("--format", default="auto")
   s.add_argument("--skip-bad", action="store_true")
   s.add_argument("--gpu-num", type=int, default=None)
+  s.add_argument("--compare", action="store_true",
+                 help="print a table beside the published Helios cluster statistics")
   m = sub.add_parser("simulate", help="replay a trace under one policy")
   _common(m)
   m.add_argument("--policy", default="fifo")
@@ -101,7 +120,10 @@ def main(argv=None) -> int:
     out = {k: (None if isinstance(v, float) and v != v else v)
            for k, v in trace.summary(gpu_num=args.gpu_num).items()}
     out["skipped_rows"] = trace.skipped
-    print(json.dumps(out, indent=1, default=str))
+    if args.compare:
+      print(compare_table(out))
+    else:
+      print(json.dumps(out, indent=1, default=str))
   elif args.cmd == "simulate":
     res = _run(args, args.policy, args.nodes, args.estimator)
     print(json.dumps(res.metrics(), indent=1))

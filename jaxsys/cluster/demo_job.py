@@ -231,11 +231,15 @@ class FileHeartbeat:
 
   def __init__(self, path: str | os.PathLike):
     self.path = Path(path)
+    self.first_bad = None  # first step with a non-finite loss (a reader may miss that beat)
 
   def __call__(self, step: int, loss: float, restored: int):
+    if not math.isfinite(loss) and self.first_bad is None:
+      self.first_bad = step
     tmp = self.path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"step": step, "loss": loss if math.isfinite(loss) else str(loss),
-                               "restored": restored, "time": time.time(), "pid": os.getpid()}))
+                               "restored": restored, "time": time.time(), "pid": os.getpid(),
+                               "first_bad": self.first_bad}))
     os.replace(tmp, self.path)
 
 

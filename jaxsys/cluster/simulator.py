@@ -228,7 +228,8 @@ class _Sim:
     self.running: dict[int, SimJob] = {}
     self.events: list = []
     self.seq = 0
-    self.segments, self.timeline = [], [(0.0, 0)]
+    self.segments = []
+    self.timeline = [(min((s.submit for s in self.sj), default=0.0), 0)]
     self.busy = 0
 
   # ---------------------------------------------------------------- bookkeeping

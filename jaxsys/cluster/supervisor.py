@@ -16,7 +16,9 @@ the next attempt) and recovery time (failure detected -> first new training step
 
 Job contract: it resumes from the latest checkpoint in ``ckpt_dir`` and reports heartbeats.
 A command receives ``JAXSYS_CKPT_DIR`` and ``JAXSYS_HEARTBEAT`` (a JSON file path) in its
-environment; a function receives a :class:`JobContext` (``ctx.ckpt_dir``, ``ctx.heartbeat``).
+environment and rewrites that file atomically each step with ``{"step", "loss", "restored",
+"time"}`` and optionally ``"first_bad"`` (first step with a non-finite loss, so a NaN between two
+polls is not missed); a function receives a :class:`JobContext` (``ctx.ckpt_dir``, ``ctx.heartbeat``).
 
 Usage::
 
@@ -151,6 +153,11 @@ class _Beats:
     elif self.first_bad is None:
       self.first_bad = int(step)
 
+  def mark_bad(self, step: int):
+    if self.first_bad is None or step < self.first_bad:
+      self.first_bad = step
+      self.attempt.last_good_step = min(self.attempt.last_good_step, step - 1)
+
 
 def _read_heartbeat(path: Path) -> dict | None:
   try:
@@ -176,8 +183,12 @@ def _run_command(cmd, attempt, beats, env, log_path, hb_path, heartbeat_timeout,
       if hb is not None and hb.get("time") != seen:
         seen = hb.get("time")
         beats.beat(hb["step"], hb["loss"], hb.get("restored", 0))
+        if hb.get("first_bad") is not None:  # a NaN beat we may have missed between polls
+          beats.mark_bad(int(hb["first_bad"]))
       if code is not None:
         attempt.exit_code = code
+        if beats.first_bad is not None:
+          return "nan"
         return "exit" if code != 0 else None
       if beats.first_bad is not None:
         proc.kill()

@@ -52,18 +52,22 @@ def _frames_bucket(n_frames: int, degree: int) -> int:
   return zz.pad_len(n_frames, degree)
 
 
+_JITTED: dict = {}  # graphdef -> jitted argmax-logits program (shapes cached by jit)
+
+
 def _logits_fn(model):
   from flax import nnx
   graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def fn(state, batch, rows, cols):
-    m = nnx.merge(graphdef, state)
-    logits = m(batch["inputs"], batch["frames"], positions=batch["positions"],
-               segment_ids=batch.get("segment_ids"), frame_slot=batch.get("frame_slot"),
-               send_idx=batch.get("send_idx"), recv_pos=batch.get("recv_pos"))
-    return jnp.argmax(logits[rows, cols], -1)  # [b] predicted token at the asked positions
-
+  if graphdef not in _JITTED:
+    @jax.jit
+    def fn(state, batch, rows, cols):
+      m = nnx.merge(graphdef, state)
+      logits = m(batch["inputs"], batch["frames"], positions=batch["positions"],
+                 segment_ids=batch.get("segment_ids"), frame_slot=batch.get("frame_slot"),
+                 send_idx=batch.get("send_idx"), recv_pos=batch.get("recv_pos"))
+      return jnp.argmax(logits[rows, cols], -1)  # [b] predicted token at the asked positions
+    _JITTED[graphdef] = fn
+  fn = _JITTED[graphdef]
   return lambda batch, rows, cols: fn(state, batch, rows, cols)
 
 

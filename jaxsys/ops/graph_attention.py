@@ -62,8 +62,8 @@ def _check_qkv(q, k, v):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 3:
       raise ShapeError(f"{name} must be [nodes, heads, head_dim], got shape {getattr(x, 'shape', None)}")
-  if k.shape != v.shape[:2] + (k.shape[2],) or k.shape[:2] != v.shape[:2]:
-    raise ShapeError(f"k {k.shape} and v {v.shape} must share [nodes, heads]")
+  if k.shape != v.shape:
+    raise ShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
   if q.shape[1:] != k.shape[1:]:
     raise ShapeError(f"q {q.shape} and k {k.shape} must share [heads, head_dim]")
 

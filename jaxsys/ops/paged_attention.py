@@ -34,12 +34,14 @@ import jax.numpy as jnp
 from jaxsys.core.errors import ConfigError, ShapeError
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+PAGES_PER_SPLIT = 8  # 8 x 64-token pages x 128 dims x 4 B = 256 KiB of K per head: cache-sized
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, lengths, *,
                            sink: int | None = None, window: int | None = None,
                            scale: float | None = None, k_scales=None, v_scales=None,
-                           num_splits: int = 1, return_lse: bool = False, impl: str = "auto"):
+                           num_splits: int | None = None, return_lse: bool = False,
+                           impl: str = "auto"):
   """Attention of one query token per request over selected KV pages.
 
   Args:
@@ -51,7 +53,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, leng
       at ``number * page_size + j``); a negative number marks an empty slot.
     lengths: ``int32[batch]`` tokens in each sequence (the query sits at ``length - 1``).
     sink, window: streaming-head mask ``Sink(sink) | Local(window)``; both None = causal.
-    num_splits: split-K chunks merged by log-sum-exp (flash-decode).
+    num_splits: split-K chunks merged by log-sum-exp (flash-decode); default one split per
+      ``PAGES_PER_SPLIT`` pages.
     return_lse: also return float32 ``lse [batch, heads]`` (-inf when nothing is visible).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret".
 
@@ -63,6 +66,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, leng
   _validate(q, k_pages, v_pages, page_indices, page_numbers, lengths, k_scales, v_scales,
             sink, window, num_splits)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  if num_splits is None:
+    num_splits = max(1, -(-page_indices.shape[-1] // PAGES_PER_SPLIT))
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
   if impl == "xla":
@@ -122,7 +127,7 @@ def _validate(q, k_pages, v_pages, page_indices, page_numbers, lengths, k_scales
     raise ConfigError(f"streaming heads need both sink and window ({sink=}, {window=})")
   if window is not None and (window < 1 or sink < 0):
     raise ConfigError(f"{window=} must be >= 1 and {sink=} >= 0")
-  if num_splits < 1:
+  if num_splits is not None and num_splits < 1:
     raise ConfigError(f"{num_splits=} must be >= 1")
 
 
@@ -150,32 +155,42 @@ def paged_decode_xla(q, k_pages, v_pages, page_indices, page_numbers, lengths, *
     page_numbers = jnp.pad(page_numbers, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
     kk += pad
   # Row r = page * kv_heads + head of the flattened pool is one contiguous [page, dim] block.
-  rows = (page_indices * hk + jnp.arange(hk, dtype=page_indices.dtype)[None, :, None]).reshape(-1)
-  ks = _gather(k_pages, k_scales, rows, (b, hk, kk, p, d))  # [batch, kv_heads, K, page, dim]
-  vs = _gather(v_pages, v_scales, rows, (b, hk, kk, p, d))
+  rows = page_indices * hk + jnp.arange(hk, dtype=page_indices.dtype)[None, :, None]  # [b, hk, K]
   qg = q.astype(jnp.float32).reshape(b, hk, g, d)  # [batch, kv_heads, group, dim]
-  ks = ks.reshape(b, hk, num_splits, kk // num_splits * p, d)  # [b, hk, split, tokens, d]
-  vs = vs.reshape(b, hk, num_splits, kk // num_splits * p, d)
-  s = jnp.einsum("bhgd,bhstd->bhsgt", qg, ks, preferred_element_type=jnp.float32) * scale
-  vis = visible_tokens(page_numbers, lengths, p, sink, window)
-  vis = vis.reshape(b, hk, num_splits, 1, kk // num_splits * p)
-  s = jnp.where(vis, s, -jnp.inf)
-  m = jnp.max(s, axis=-1)  # [b, hk, split, g]
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  pr = jnp.exp(s - m_safe[..., None])
-  l = jnp.sum(pr, axis=-1)
-  o = jnp.einsum("bhsgt,bhstd->bhsgd", pr, vs, preferred_element_type=jnp.float32)
-  out, lse = merge_partials(o, m, l)  # [b, hk, g, d], [b, hk, g]
+  c = kk // num_splits
+  # Split s covers slots [s * c, (s + 1) * c): [split, b, hk, c]
+  rows = rows.reshape(b, hk, num_splits, c).transpose(2, 0, 1, 3)
+  nums = page_numbers.reshape(b, hk, num_splits, c).transpose(2, 0, 1, 3)
+
+  def split(_, x):
+    """Gathers one split's pages (a cache-sized chunk) and returns its softmax partials."""
+    r, n = x
+    ks = _gather(k_pages, k_scales, r.reshape(-1), (b, hk, c * p, d))  # [b, hk, tokens, d]
+    vs = _gather(v_pages, v_scales, r.reshape(-1), (b, hk, c * p, d))
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, ks, preferred_element_type=jnp.float32) * scale
+    vis = visible_tokens(n, lengths, p, sink, window).reshape(b, hk, 1, c * p)
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)  # [b, hk, g]
+    pr = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    o = jnp.einsum("bhgt,bhtd->bhgd", pr, vs, preferred_element_type=jnp.float32)
+    return None, (o, m, jnp.sum(pr, axis=-1))
+
+  if num_splits == 1:
+    _, (o, m, l) = split(None, (rows[0], nums[0]))
+    o, m, l = o[None], m[None], l[None]
+  else:  # one chunk at a time: the gathered pages stay in cache instead of one large copy
+    _, (o, m, l) = jax.lax.scan(split, None, (rows, nums))
+  out, lse = merge_partials(o, m, l, axis=0)  # [b, hk, g, d], [b, hk, g]
   return out.reshape(b, h, d).astype(q.dtype), lse.reshape(b, h)
 
 
 def _gather(pages, scales, rows, shape):
-  b, hk, kk, p, d = shape
+  p = pages.shape[2]
   x = jnp.take(pages.reshape(-1, p, pages.shape[-1]), rows, axis=0, mode="clip")
   if scales is not None:
     sc = jnp.take(scales.reshape(-1, p), rows, axis=0, mode="clip")
     x = x.astype(jnp.float32) * sc[..., None]
-  return x.reshape(shape)
+  return x.reshape(shape).astype(jnp.float32)
 
 
 def merge_partials(o, m, l, axis: int = 2):

@@ -148,37 +148,42 @@ class RolloutEngine:
     return self._abstract[b]
 
   def _exe(self, kind: str, b: int, strategy: Strategy | None = None):
+    """The compiled executable for ``kind`` at batch bucket ``b`` (built on the first request)."""
+    if kind in ("draft",):
+      key = (kind, strategy, b)
+    elif kind == "verify":
+      key = (kind, strategy.verify_tokens, b)
+    else:
+      key = (kind, b)
+    # Shared pools: executables also depend on the static decode config and module structures.
+    key = key + (self.dcfg, self.gdef, self.dgdef)
+    if key in self.pool:
+      return self.pool.get(key, None)
+    return self.pool.get(key, lambda: self._build(kind, b, strategy))
+
+  def _build(self, kind: str, b: int, strategy: Strategy | None):
     c, dcfg = self.config, self.dcfg
     st = self._state_shape(b)
     if kind == "init":
-      key = ("init", b)
       dcf = self.drafter_config or _dummy_drafter_cfg(self.model_config)
       model = nnx.merge(self.gdef, self.tstate)
-      fn = lambda k: dec.init_state(model, dcf, jnp.zeros((b, c.max_prompt), jnp.int32), None, self.dcfg, k)
-      build = lambda: jax.jit(fn).lower(jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
-    elif kind == "prefill":
-      key = ("prefill", b)
+      fn = lambda k: dec.init_state(model, dcf, jnp.zeros((b, c.max_prompt), jnp.int32), None, dcfg, k)
+      return jax.jit(fn).lower(jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
+    if kind == "prefill":
       prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32)
       lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-      build = lambda: dec.jit_prefill(dcfg).lower(self.gdef, self.tstate, st, prompts, lengths).compile()
-    elif kind == "vanilla":
-      key = ("vanilla", b)
-      build = lambda: dec.jit_vanilla(dcfg).lower(self.gdef, self.tstate, st).compile()
-    elif kind == "sync":
-      key = ("sync", b)
-      build = lambda: dec.jit_sync().lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
-    elif kind == "draft":
-      key = ("draft", strategy, b)
-      build = lambda: dec.jit_draft(strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
-    elif kind == "verify":
-      key = ("verify", strategy.verify_tokens, b)
+      return dec.jit_prefill(dcfg).lower(self.gdef, self.tstate, st, prompts, lengths).compile()
+    if kind == "vanilla":
+      return dec.jit_vanilla(dcfg).lower(self.gdef, self.tstate, st).compile()
+    if kind == "sync":
+      return dec.jit_sync().lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
+    if kind == "draft":
+      return dec.jit_draft(strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
+    if kind == "verify":
       trees = jax.eval_shape(lambda s: dec.draft(nnx.merge(self.gdef, self.tstate),
                                                  nnx.merge(self.dgdef, self.dstate), s, strategy)[0], st)
-      build = lambda: dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
-    else:
-      raise ValueError(kind)
-    # Shared pools: executables also depend on the static decode config and module structures.
-    return self.pool.get(key + (self.dcfg, self.gdef, self.dgdef), build)
+      return dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
+    raise ValueError(f"unknown executable kind {kind!r}")
 
   def precompile(self, buckets: Sequence[int] | None = None):
     """Compiles every executable a rollout may need, ahead of time."""

@@ -9,6 +9,9 @@ def test_summary_and_diagnose(tmp_path, capsys):
   assert cli.main(["summary", "--gpu-num", "6212"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["job_num"] == 8152 and out["gpu_num"] == 6212
+  assert cli.main(["summary", "--compare"]) == 0
+  table = capsys.readouterr().out
+  assert "| avg_run_time_gpu |" in table and "Venus" in table
   log = tmp_path / "job.log"
   log.write_text("step 10 loss 1.2\nKeyError: 'labels'\n")
   assert cli.main(["diagnose", str(log), "--exit-code", "1"]) == 0

@@ -142,3 +142,16 @@ def test_remat_gradients_match():
   np.testing.assert_allclose(np.asarray(g1.layers[0].mlp.up[...]), np.asarray(g2.layers[0].mlp.up[...]),
                              rtol=1e-4, atol=1e-7)
   assert dataclasses.asdict(cfg)["remat"]
+
+
+def test_shipped_tiny_lm(tmp_path):
+  from jaxsys.core.errors import InputError
+  from jaxsys.data import synthetic as S
+  files = list(M.TINY_LM_PATH.glob("*.safetensors"))
+  assert files and sum(f.stat().st_size for f in files) < 5e6
+  tiny = M.load_tiny_lm()
+  assert tiny.config.vocab_size == S.VOCAB.size
+  exs = S.examples("copy", seed=0, count=4, length=48)
+  assert M.exact_match(tiny, exs) >= 0.75  # copying is the first thing the recipe teaches
+  with pytest.raises(InputError, match="train_tiny_lm"):
+    M.load_tiny_lm(tmp_path)

@@ -44,8 +44,10 @@ _CASES = {
     "streaming_sparse_rect": (1, 24, 56, 4, 2, 8, {"mask": M.MultiHead(
         [M.Causal(), M.Sink(3) | M.Local(7), M.BlockSparse(_LAYOUT[:1], 16, 16, M.Causal()),
          M.Full()])}, jnp.float32),
-    "segments_mqa": (2, 40, 40, 4, 1, 8, {"mask": M.Causal(), "segment_ids": jnp.array(
-        [[0] * 13 + [1] * 20 + [2] * 7, [3] * 30 + [4] * 10])}, jnp.float32),
+    # query segment 9 has no keys: those rows see nothing (zeros, lse -inf, finite grads)
+    "segments_mqa_empty_rows": (2, 40, 40, 4, 1, 8, {"mask": M.Causal(), "segment_ids": (
+        jnp.array([[0] * 13 + [1] * 20 + [9] * 7, [3] * 30 + [4] * 10]),
+        jnp.array([[0] * 13 + [1] * 20 + [2] * 7, [3] * 30 + [4] * 10]))}, jnp.float32),
     "decode_offset_lengths": (2, 1, 45, 2, 2, 16, {"mask": M.Sink(2) | M.Local(9), "q_offset":
         jnp.array([20, 44]), "kv_lengths": jnp.array([21, 45])}, jnp.float32),
     "block_sparse_gqa8_bf16": (1, 32, 64, 8, 1, 16, {"mask": M.BlockSparse(
@@ -67,8 +69,10 @@ def test_interpret_matches_dense_reference(name):
   np.testing.assert_array_equal(np.isfinite(l), np.isfinite(l_r))
   np.testing.assert_allclose(jnp.where(jnp.isfinite(l), l, 0), jnp.where(jnp.isfinite(l_r), l_r, 0),
                              atol=tol, rtol=tol)
+  if name == "segments_mqa_empty_rows":
+    assert np.all(np.asarray(o[0, 33:]) == 0) and np.all(np.isneginf(l[0, :, 33:]))
   for gname, a, b_ in zip(("dq", "dk", "dv"), g, g_r):
-    assert a.dtype == dtype
+    assert a.dtype == dtype and bool(jnp.all(jnp.isfinite(f32(a)))), gname
     scale = max(1.0, float(jnp.max(jnp.abs(b_))))
     np.testing.assert_allclose(f32(a), b_, atol=tol * scale, rtol=tol, err_msg=gname)
 

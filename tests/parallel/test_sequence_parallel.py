@@ -71,7 +71,7 @@ def test_decoder_training_step_under_sp_matches_unsharded(devices):
   from jaxsys.parallel import sequence_parallel_attention
   from jaxsys.parallel.zigzag import shifted_lm_batch
 
-  cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+  cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=8, num_kv_heads=2)
   mesh = make_mesh({"ring": 2, "ulysses": 4})
   tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 33), 0, cfg.vocab_size)

@@ -17,9 +17,10 @@ backward): ``dv += p^T dO``, ``ds = p * (dO v^T - rowsum(dO * out))``, ``dq += d
 ``dk += ds^T q``; dk/dv are accumulated in place at the visited block ids, so the backward visits
 exactly the forward's blocks.
 
-Each visit picks one of three branches with ``lax.switch``: skip (no head sees the block, e.g.
-disjoint packed segments or padding), full (no token mask: the common case) or partial (token
-mask evaluated from the lazy mask, segments, ``kv_lengths`` and padding).
+Visits are ordered FULL blocks first (no token mask: the common case), then PARTIAL blocks (token
+mask evaluated from the lazy mask, segments, ``kv_lengths`` and padding), as two branch-free loops.
+When classes depend on traced inputs (segments, ``kv_lengths``) each visit instead picks skip /
+full / partial with ``lax.switch`` (e.g. blocks of disjoint packed segments are skipped).
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Query / key tile sizes; clipped to the (8-rounded) lengths for short inputs."""
-  block_q: int = 512
-  block_k: int = 512
+  """Query / key tile sizes; clipped to the (8-rounded) lengths for short inputs.
+
+  256 x 256 was fastest on a 2-core CPU (4K tokens, 4 heads, d=64; tried 128..1024): a
+  ``[heads, 256, 256]`` f32 tile set stays cache-resident, larger tiles lose more to memory traffic
+  than they save in loop overhead, most visibly in the backward.
+  """
+  block_q: int = 256
+  block_k: int = 256
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
@@ -79,6 +85,7 @@ class _Plan:
   idx: np.ndarray                # int32[ht, nq, V]
   cls: np.ndarray                # int8[ht, nq, V]
   trips: np.ndarray              # int32[nq]: visits of the busiest head per q block
+  nfull: np.ndarray              # int32[nq]: leading slots that are FULL for every head
 
   @property
   def g(self) -> int:
@@ -95,8 +102,13 @@ def blockwise_attention(args: AttentionArgs, block_sizes: BlockSizes | None = No
   lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
                                   block_k=bk, q_offset=args.static_offset)
   idx, cls, cnt = lay.tables
+  # FULL visits first, then PARTIAL (softmax is order-free): a mask-free loop, then a masked one.
+  order = np.argsort(np.where(cls == layout_lib.FULL, 0, np.where(cls == layout_lib.PARTIAL, 1, 2)),
+                     axis=-1, kind="stable")
+  idx, cls = np.take_along_axis(idx, order, -1), np.take_along_axis(cls, order, -1)
+  nfull = (cls == layout_lib.FULL).cumprod(-1).sum(-1).min(0).astype(np.int32)
   plan = _Plan(args, b, tq, tk, h, hk, d, dv, bq, bk, lay.num_q_blocks, lay.num_k_blocks,
-               idx.shape[0], idx, cls, cnt.max(0).astype(np.int32))
+               idx.shape[0], idx, cls, cnt.max(0).astype(np.int32), nfull)
   aux = _dynamic_classes(plan)
   out, lse = _attention(plan, q, k, v, aux)
   return out, lse
@@ -106,13 +118,15 @@ def blockwise_attention(args: AttentionArgs, block_sizes: BlockSizes | None = No
 
 
 def _dynamic_classes(plan: _Plan):
-  """Refines static classes with traced inputs; returns ``{"cls", "branch", ...}`` arrays.
+  """Refines static classes with traced inputs; returns ``{"cls", "branch"}`` arrays.
 
   ``cls [B', ht, nq, V]`` (B' = 1 or batch) and ``branch [nq, V]``: 0 skip / 1 full / 2 partial
-  for the whole (batch, head) tile of a visit.
+  for the whole (batch, head) tile of a visit; ``branch`` is None when classes are static.
   """
   a = plan.args
   cls = jnp.asarray(plan.cls)[None]                            # [1, ht, nq, V]
+  if a.kv_lengths is None and a.q_segment_ids is None:
+    return {"cls": cls, "branch": None}
   kb0 = jnp.asarray(plan.idx) * plan.bk                        # first key of each visited block
   if a.kv_lengths is not None:
     lens = a.kv_lengths[:, None, None, None]
@@ -214,25 +228,23 @@ def _visible(plan: _Plan, aux, i, j, kb):
 def _forward(plan: _Plan, q, k, v, aux):
   p = plan
   qt, kt, vt = _to_blocks(p, q, k, v)
+  vt = jnp.concatenate([vt, jnp.ones(vt.shape[:-1] + (1,), _F32)], axis=-1)  # [.., dv + 1]
   idx = jnp.asarray(p.idx)
-  trips = jnp.asarray(p.trips)
 
   def q_block(_, xs):
     i, qb = xs                                                       # qb [b, hk, g, bq, d]
     m0 = jnp.full((p.b, p.hk, p.g, p.bq), -jnp.inf, _F32)
-    l0 = jnp.zeros((p.b, p.hk, p.g, p.bq), _F32)
-    acc0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.dv), _F32)
+    acc0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.dv + 1), _F32)
 
-    def visit(j, carry):
+    def visit(j, carry, branch):
       kb = idx[:, i, j]                                              # [ht]
-      def full(carry):
-        return _online_update(p, carry, _scores(p, qb, _gather(p, kt, kb)), _gather(p, vt, kb))
-      def partial(carry):
-        s = jnp.where(_visible(p, aux, i, j, kb), _scores(p, qb, _gather(p, kt, kb)), -jnp.inf)
-        return _online_update(p, carry, s, _gather(p, vt, kb))
-      return lax.switch(aux["branch"][i, j], (lambda c: c, full, partial), carry)
+      s = _scores(p, qb, _gather(p, kt, kb))
+      if branch == layout_lib.PARTIAL:
+        s = jnp.where(_visible(p, aux, i, j, kb), s, -jnp.inf)
+      return _online_update(p, carry, s, _gather(p, vt, kb))
 
-    m, l, acc = lax.fori_loop(0, trips[i], visit, (m0, l0, acc0))
+    m, acc = _visit_loops(p, aux, i, visit, (m0, acc0))
+    acc, l = acc[..., :-1], acc[..., -1]
     l_safe = jnp.where(l > 0, l, 1.0)
     out = acc / l_safe[..., None]
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
@@ -245,16 +257,35 @@ def _forward(plan: _Plan, q, k, v, aux):
   return out, lse
 
 
+def _visit_loops(plan: _Plan, aux, i, visit, carry):
+  """Runs ``visit(j, carry, branch)`` over the visits of q block ``i``.
+
+  Static classes: slots ``[0, nfull)`` unmasked, then ``[nfull, trips)`` masked (no branching).
+  Traced classes (segments, kv_lengths): ``lax.switch`` per visit over skip / full / partial.
+  """
+  trips = jnp.asarray(plan.trips)[i]
+  if aux["branch"] is None:
+    nfull = jnp.asarray(plan.nfull)[i]
+    carry = lax.fori_loop(0, nfull, lambda j, c: visit(j, c, layout_lib.FULL), carry)
+    return lax.fori_loop(nfull, trips, lambda j, c: visit(j, c, layout_lib.PARTIAL), carry)
+  branches = (lambda j, c: c, lambda j, c: visit(j, c, layout_lib.FULL),
+              lambda j, c: visit(j, c, layout_lib.PARTIAL))
+  return lax.fori_loop(0, trips, lambda j, c: lax.switch(aux["branch"][i, j], branches, j, c), carry)
+
+
 def _online_update(plan, carry, s, vb):
-  """One online-softmax step; ``s`` may hold -inf (masked) entries, rows may be all -inf."""
-  m, l, acc = carry
+  """One online-softmax step; ``s`` may hold -inf (masked) entries, rows may be all -inf.
+
+  ``vb`` carries a trailing ones column, so ``p @ vb`` also yields the row sums ``l`` (the
+  last accumulator column) without another pass over ``p``.
+  """
+  m, acc = carry
   m_new = jnp.maximum(m, jnp.max(s, axis=-1))
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                 # all-masked rows stay finite
   pr = jnp.exp(s - m_safe[..., None])
   corr = jnp.exp(m - m_safe)
-  l = l * corr + jnp.sum(pr, axis=-1)
   acc = acc * corr[..., None] + _pv(plan, pr, vb)
-  return m_new, l, acc
+  return m_new, acc
 
 
 # ----------------------------------------------------------------------------- backward
@@ -264,7 +295,6 @@ def _backward(plan: _Plan, q, k, v, aux, out, lse, dout, dlse):
   p = plan
   qt, kt, vt = _to_blocks(p, q, k, v)
   idx = jnp.asarray(p.idx)
-  trips = jnp.asarray(p.trips)
 
   def rows(x, last):  # [b, tq, h, last] -> [nq, b, hk, g, bq, last]
     x = jnp.pad(x.astype(_F32), ((0, 0), (0, p.nq * p.bq - p.tq), (0, 0), (0, 0)))
@@ -284,30 +314,27 @@ def _backward(plan: _Plan, q, k, v, aux, out, lse, dout, dlse):
   def q_block(carry, xs):
     i, qb, dob, lb, db = xs
 
-    def visit(j, c):
+    def visit(j, c, branch):
       kb = idx[:, i, j]
-      def compute(c, masked):
-        dq, dk, dv = c
-        kblk, vblk = _gather(p, kt, kb), _gather(p, vt, kb)
-        pr = jnp.exp(_scores(p, qb, kblk) - lb[..., None])           # [b, hk, g, bq, bk]
-        if masked:
-          pr = jnp.where(_visible(p, aux, i, j, kb), pr, 0.0)
-        dp = _scores(p, dob, vblk)                                   # dO v^T
-        ds = pr * (dp - db[..., None])
-        dq = dq + _pv(p, ds, kblk)
-        if p.ht == 1:
-          dv_b = jnp.einsum("bhgqk,bhgqd->bhkd", pr, dob, preferred_element_type=_F32)
-          dk_b = jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=_F32)
-        else:
-          dv_b = jnp.einsum("bhgqk,bhgqd->bhgkd", pr, dob, preferred_element_type=_F32)
-          dk_b = jnp.einsum("bhgqk,bhgqd->bhgkd", ds, qb, preferred_element_type=_F32)
-        return dq, _scatter_add(p, dk, kb, dk_b), _scatter_add(p, dv, kb, dv_b)
-      return lax.switch(aux["branch"][i, j], (lambda c: c, lambda c: compute(c, False),
-                                              lambda c: compute(c, True)), c)
+      dq, dk, dv = c
+      kblk, vblk = _gather(p, kt, kb), _gather(p, vt, kb)
+      pr = jnp.exp(_scores(p, qb, kblk) - lb[..., None])           # [b, hk, g, bq, bk]
+      if branch == layout_lib.PARTIAL:
+        pr = jnp.where(_visible(p, aux, i, j, kb), pr, 0.0)
+      dp = _scores(p, dob, vblk)                                   # dO v^T
+      ds = pr * (dp - db[..., None])
+      dq = dq + _pv(p, ds, kblk)
+      if p.ht == 1:
+        dv_b = jnp.einsum("bhgqk,bhgqd->bhkd", pr, dob, preferred_element_type=_F32)
+        dk_b = jnp.einsum("bhgqk,bhgqd->bhkd", ds, qb, preferred_element_type=_F32)
+      else:
+        dv_b = jnp.einsum("bhgqk,bhgqd->bhgkd", pr, dob, preferred_element_type=_F32)
+        dk_b = jnp.einsum("bhgqk,bhgqd->bhgkd", ds, qb, preferred_element_type=_F32)
+      return dq, _scatter_add(p, dk, kb, dk_b), _scatter_add(p, dv, kb, dv_b)
 
     dk, dv = carry
     dq0 = jnp.zeros((p.b, p.hk, p.g, p.bq, p.d), _F32)
-    dq, dk, dv = lax.fori_loop(0, trips[i], visit, (dq0, dk, dv))
+    dq, dk, dv = _visit_loops(p, aux, i, visit, (dq0, dk, dv))
     return (dk, dv), dq
 
   (dk, dv), dq = lax.scan(q_block, (dk0, dv0), (jnp.arange(p.nq), qt, do_t, lse_t, delta))
