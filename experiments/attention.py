@@ -14,7 +14,7 @@ Run: ``python -m experiments.attention [--quick]`` (quick: up to 8K, fewer repet
 
 from __future__ import annotations
 
-import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,9 @@ def _peers():
   notes = {}
   try:
     import tokamax
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; keep it off our command line
+      flags.FLAGS([sys.argv[0]])
     peers["tokamax xla_chunked"] = lambda q, k, v: tokamax.dot_product_attention(
         q, k, v, implementation="xla_chunked")
   except Exception as e:  # optional peer (pip install tokamax)

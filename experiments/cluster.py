@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -144,8 +145,9 @@ def fault_tolerance(quick: bool, out, rows, config):
   config["fault_injection"] = {"steps": steps, "ckpt_every": 5, "failures": inj.schedule}
   t0 = time.perf_counter()
   rep = supervise(lambda ctx: train(cfg(ctx.ckpt_dir), heartbeat=ctx.heartbeat, injector=inj, log=ctx.log),
-                  ckpt_dir=os.path.join(tmp, "ck"), heartbeat_timeout=300)
+                  ckpt_dir=os.path.join(tmp, "ck"), heartbeat_timeout=300, max_restarts=n_fail + 2)
   wall = time.perf_counter() - t0
+  shutil.rmtree(tmp, ignore_errors=True)
   exact = rep.success and all(np.array_equal(rep.result["params"][k], v) for k, v in ref["params"].items())
   lost = [a.lost_steps for a in rep.failures if a.lost_steps is not None]
   rec = [a.recovery_s for a in rep.failures if a.recovery_s is not None]

@@ -46,7 +46,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   train_len = model.config.max_position_embeddings
   meta_path = M.TINY_LM_PATH / "training.json"
   meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-  count = 48 if quick else 200
+  count = 32 if quick else 200
   lengths = [train_len * m for m in (1, 2, 4, 8)]
   tasks = {"recall": {"n_keys": 8}, "passkey": {"n_needles": 4}}
   acc: dict[str, dict[str, dict[int, float]]] = {t: {} for t in tasks}

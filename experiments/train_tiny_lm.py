@@ -57,7 +57,7 @@ STAGES = {
         Stage(64, 600, {"copy": 0.7, "recall": 0.2, "arith": 0.1}),
         Stage(64, 500, {"copy": 0.15, "recall": 0.55, "passkey": 0.15, "arith": 0.15}),
         Stage(128, 400, {"copy": 0.1, "recall": 0.55, "passkey": 0.2, "arith": 0.15}, lr=1.5e-3),
-        Stage(256, 450, {"copy": 0.1, "recall": 0.55, "passkey": 0.2, "arith": 0.15}, lr=3e-4,
+        Stage(256, 250, {"copy": 0.1, "recall": 0.55, "passkey": 0.2, "arith": 0.15}, lr=3e-4,
               warmup=20, batch=16),
     ],
     "quick": [Stage(64, 40, {"copy": 0.7, "recall": 0.3}), Stage(128, 20, {"recall": 1.0})],

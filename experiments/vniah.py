@@ -21,7 +21,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxsys.core.mesh import make_mesh  # noqa: E402

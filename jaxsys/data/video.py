@@ -46,7 +46,8 @@ class VideoSpec:
 
   def __post_init__(self):
     if self.patches % self.tokens_per_frame:
-      raise ConfigError(f"patches={self.patches} must be divisible by tokens_per_frame={self.tokens_per_frame}")
+      raise ConfigError(f"patches={self.patches} must be divisible by "
+                        f"tokens_per_frame={self.tokens_per_frame}")
     if not 2 <= self.num_classes <= 10:
       raise ConfigError(f"num_classes={self.num_classes} must be in [2, 10] (digit tokens)")
     if self.tokens_per_frame < 2:

@@ -47,9 +47,11 @@ class VLMConfig:
 
   def __post_init__(self):
     if self.patches % self.tokens_per_frame:
-      raise ConfigError(f"patches={self.patches} must be divisible by tokens_per_frame={self.tokens_per_frame}")
+      raise ConfigError(f"patches={self.patches} must be divisible by "
+                        f"tokens_per_frame={self.tokens_per_frame}")
     if self.vision_hidden % self.vision_heads:
-      raise ConfigError(f"vision_hidden={self.vision_hidden} must be divisible by vision_heads={self.vision_heads}")
+      raise ConfigError(f"vision_hidden={self.vision_hidden} must be divisible by "
+                        f"vision_heads={self.vision_heads}")
     for name in ("patch_dim", "vision_layers"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

@@ -79,7 +79,8 @@ def _check_index(name, x, num_nodes):
     raise ShapeError(f"{name} must be an integer array, got {x.dtype}")
   if isinstance(x, jax.core.Tracer) or x.size == 0:
     return
-  lo, hi = int(jnp.min(x)), int(jnp.max(x))
+  xn = np.asarray(x)  # concrete (possibly a constant captured by a trace): check on the host
+  lo, hi = int(xn.min()), int(xn.max())
   if lo < 0 or hi >= num_nodes:
     raise InputError(f"{name} must lie in [0, num_nodes={num_nodes}), got range [{lo}, {hi}]")
 

@@ -21,7 +21,13 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "zigzag_restore": "zigzag",
     "zigzag_indices": "zigzag",
     "zigzag_batch": "zigzag",
+    "shifted_lm_batch": "zigzag",
+    "sp_attention_fn": "api",
     "initialize_distributed": "distributed",
     "shard_frames": "multimodal",
     "reshard_to_llm": "multimodal",
+    "reshard_maps": "multimodal",
+    "prepare_mm_batch": "multimodal",
+    "hlo_collective_bytes": "costs",
+    "analytic_comm_bytes": "costs",
 })

@@ -230,3 +230,16 @@ def sequence_parallel_attention(q, k, v, *, mesh: Mesh, strategy: str = "hybrid"
   if reorder:
     out = zz.zigzag_restore(out, plan.ring_size)
   return out[:, :s]
+
+
+def sp_attention_fn(mesh: Mesh, strategy: str = "hybrid", *, tokens_reordered: bool = True, **kwargs):
+  """An ``attention_fn`` for ``Decoder(..., attention_fn=...)`` running ``strategy`` on ``mesh``.
+
+  With ``tokens_reordered=True`` (default) the model's inputs, positions and labels must be
+  zigzag-reordered once by the data pipeline (``zigzag.shifted_lm_batch``) for zigzag plans.
+  """
+  make_plan(mesh, strategy, ring_axis=kwargs.get("ring_axis", "ring"),
+            ulysses_axis=kwargs.get("ulysses_axis", "ulysses"))  # fail early on a bad mesh
+  import functools
+  return functools.partial(sequence_parallel_attention, mesh=mesh, strategy=strategy,
+                           tokens_reordered=tokens_reordered, **kwargs)

@@ -159,7 +159,7 @@ def halo_exchange(x, send_idx, axis: str):
 def _dense_shard_attention(q, k, v, node_mask, axis, strategy, num_parts):
   """Global attention over all shards; padding slots are invisible keys."""
   seg = jnp.where(node_mask, 0, -1)[None]  # [1, n_local]
-  if strategy == "allgather" or num_parts == 1:
+  if strategy == "allgather":
     from jaxsys.ops.attention import attention
     kg = jax.lax.all_gather(k, axis, axis=0, tiled=True)
     vg = jax.lax.all_gather(v, axis, axis=0, tiled=True)

@@ -119,6 +119,8 @@ class RolloutEngine:
     self.bandit = BucketedBandit(config.strategies, config.batch_buckets, epsilon=config.epsilon,
                                  seed=config.seed)
     self._abstract: dict[int, dec.DecodeState] = {}
+    # Hashing a GraphDef walks the whole module: do it once, not on every step.
+    self._key_suffix = (self.dcfg, hash(self.gdef), hash(self.dgdef))
 
   # ---- weights ---------------------------------------------------------------------------
   def set_weights(self, model):
@@ -156,7 +158,7 @@ class RolloutEngine:
     else:
       key = (kind, b)
     # Shared pools: executables also depend on the static decode config and module structures.
-    key = key + (self.dcfg, self.gdef, self.dgdef)
+    key = key + self._key_suffix
     if key in self.pool:
       return self.pool.get(key, None)
     return self.pool.get(key, lambda: self._build(kind, b, strategy))

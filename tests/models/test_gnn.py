@@ -28,7 +28,7 @@ def test_forward_fp_and_quantized(ds, kind):
   for quant in (None, A2QConfig()):
     cfg = GNNConfig(ds.num_features, ds.num_classes, kind=kind, hidden=8, heads=2, quant=quant)
     model = GNN(cfg, ds.num_nodes, rngs=nnx.Rngs(0))
-    logits, info = model(data.x, data.edges, train=True, seed=1)
+    logits, info = nnx.jit(lambda m, x, e: m(x, e, train=True, seed=1))(model, data.x, data.edges)
     assert logits.shape == (ds.num_nodes, ds.num_classes)
     assert np.all(np.isfinite(logits))
     if quant is None:

@@ -39,7 +39,8 @@ def test_mesh_missing_an_axis(devices):
 def test_length_not_divisible_without_padding(devices):
   mesh = make_mesh({"ring": 2, "ulysses": 4})
   q = jnp.zeros((1, 24, 8, 4))
-  with pytest.raises(ShapeError, match=r"seq_len=24 must be divisible by 16 = 2 \* ring degree \(2\) \* ulysses degree \(4\).*pad=True"):
+  msg = r"seq_len=24 must be divisible by 16 = 2 \* ring degree \(2\) \* ulysses degree \(4\).*pad=True"
+  with pytest.raises(ShapeError, match=msg):
     sequence_parallel_attention(q, q, q, mesh=mesh, strategy="hybrid")
 
 

@@ -68,7 +68,7 @@ def test_decoder_training_step_under_sp_matches_unsharded(devices):
 
   from jaxsys.core.mesh import make_mesh
   from jaxsys.models.decoder import Decoder, DecoderConfig
-  from jaxsys.parallel import sequence_parallel_attention
+  from jaxsys.parallel import sp_attention_fn
   from jaxsys.parallel.zigzag import shifted_lm_batch
 
   cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -89,8 +89,7 @@ def test_decoder_training_step_under_sp_matches_unsharded(devices):
     with jax.set_mesh(mesh):
       return fn(params)
 
-  sp = functools.partial(sequence_parallel_attention, mesh=mesh, strategy="hybrid",
-                         tokens_reordered=True, impl=IMPL)
+  sp = sp_attention_fn(mesh, "hybrid", impl=IMPL)  # zigzag-ordered tokens (data side)
   ref = functools.partial(attention, impl="reference")
   l_sp, g_sp = loss_and_grads(sp, shifted_lm_batch(tokens, 2, segment_ids=seg))
   l_ref, g_ref = loss_and_grads(ref, shifted_lm_batch(tokens, 1, segment_ids=seg))
