@@ -151,13 +151,16 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   q, k, v = _qkv(sparse_len)
   blk = 512
   n = sparse_len // blk
-  t_dense = time_fn(_fwd("xla"), q, k, v, iters=iters).min
+  dense_f = _fwd("xla")
+  time_fn(dense_f, q, k, v, iters=1)  # compile and warm up once
   sparse_pts = []
   for density in (0.5, 0.25, 0.1):
     lay = _sparse_layout(n, n, density, seed=int(density * 100))
     real = float(lay.mean())
     mask = masks.BlockSparse(lay, blk, blk)
-    t_sp = time_fn(_fwd("xla", mask), q, k, v, iters=iters).min
+    sparse_f = _fwd("xla", mask)
+    t_sp = time_fn(sparse_f, q, k, v, iters=iters).min
+    t_dense = time_fn(dense_f, q, k, v, warmup=0, iters=iters).min  # paired: drift cancels
     ratio = t_dense / t_sp
     sparse_pts.append((real, ratio))
     rows.append(Row(f"block-sparse {int(density * 100)}% @{sparse_len // 1024}K vs our dense", "ms",

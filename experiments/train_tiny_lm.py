@@ -7,9 +7,14 @@ grows previous-token + induction heads quickly; recall, multi-key passkey and ar
 the mix and a length curriculum (64 -> 128 -> 256 [-> 512]) follows. Each stage has its own
 warm-up + cosine schedule; every stage ends with an exact-match evaluation and a checkpoint.
 
-Reproduce the shipped checkpoint (jaxsys/assets/tiny_lm) exactly with::
+Reproduce the shipped checkpoint (jaxsys/assets/tiny_lm, trained up to 128 tokens: the first
+three stages) with::
 
-  python -m experiments.train_tiny_lm --out jaxsys/assets/tiny_lm --seed 0
+  python -m experiments.train_tiny_lm --out jaxsys/assets/tiny_lm --seed 0 --num-stages 3
+
+The fourth stage (256 tokens) is in the schedule but did not converge in the CPU time available
+(see experiments/README.md): at the jump from 128 to 256 tokens copy and recall fail beyond the
+trained length and 250 steps at lr 3e-4 had not recovered them.
 
 (``--stages quick`` is a 1-minute smoke run; ``--workdir`` keeps orbax checkpoints so an
 interrupted run resumes where it stopped.)
@@ -83,13 +88,15 @@ def main(argv=None):
   parser.add_argument("--workdir", default=None, help="orbax checkpoints for resume")
   parser.add_argument("--stages", default="full", choices=sorted(STAGES))
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--num-stages", type=int, default=None,
+                      help="run only the first N stages of the schedule")
   args = parser.parse_args(argv)
   model = M.random_model(MODEL, seed=args.seed)
   print(f"params: {MODEL.num_params():,}", flush=True)
   log = {"command": "python -m experiments.train_tiny_lm " + " ".join(argv or sys.argv[1:]),
          "stages": [], "hardware": jax.devices()[0].device_kind}
   t0 = time.time()
-  for i, st in enumerate(STAGES[args.stages]):
+  for i, st in enumerate(STAGES[args.stages][:args.num_stages]):
     cfg = T.TrainConfig(learning_rate=st.lr, warmup_steps=st.warmup, total_steps=st.steps,
                         log_every=50, checkpoint_every=100 if args.workdir else None)
 
@@ -110,7 +117,8 @@ def main(argv=None):
     log["stages"].append({**dataclasses.asdict(st), "final_loss": final,
                           "eval": acc, "seconds": time.time() - t0})
     out = Path(args.out)
-    M.save_pretrained(model, out)
+    # config.json records the length trained so far (evaluations extrapolate from it)
+    M.save_pretrained(M.replace_config(model, max_position_embeddings=st.length), out)
     S.save_tokenizer(out)
     (out / "training.json").write_text(json.dumps(log, indent=2))
   print(f"saved to {args.out} after {time.time() - t0:.0f}s", flush=True)

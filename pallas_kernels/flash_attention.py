@@ -230,7 +230,6 @@ def _dkdv_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg
 def _call(cfg: KernelConfig, kernel, name, grid, tab, scal, in_specs, arrays, out_specs, out_shape):
   """One pallas_call; tables go to SMEM (scalar prefetch) on TPU, as blocked inputs elsewhere."""
   ht = cfg.table_heads
-  row_axis = 2
   if cfg.backend == "mosaic" and not cfg.interpret:
     from jax.experimental.pallas import tpu as pltpu
     shift = lambda spec: pl.BlockSpec(spec.block_shape, lambda *a, f=spec.index_map: f(*a[:3]))
@@ -248,7 +247,6 @@ def _call(cfg: KernelConfig, kernel, name, grid, tab, scal, in_specs, arrays, ou
   if cfg.backend == "triton" and not cfg.interpret:
     from jax.experimental.pallas import triton as pltr
     params = pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  del row_axis
   return pl.pallas_call(functools.partial(kernel, cfg), out_shape=out_shape, grid=grid,
                         in_specs=[tab_spec, scal_spec, *in_specs], out_specs=out_specs,
                         compiler_params=params, interpret=cfg.interpret, name=name)(

@@ -1,1 +1,14 @@
-"""jaxsys.rl."""
+"""RL on top of the rollout engine: GRPO trainer, synthetic verifiable tasks, a tiny policy.
+
+* ``grpo``: ``GRPOTrainer`` / ``GRPOConfig`` (group advantages, clipped surrogate, k3 KL).
+* ``tasks``: long-tailed ``count`` (retrieval) and ``add`` (arithmetic) tasks with rewards.
+* ``policy``: config and supervised warm-up of the tiny policy used by experiments/tlt.py.
+"""
+
+from jaxsys._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "GRPOTrainer": "grpo", "GRPOConfig": "grpo", "group_advantages": "grpo", "grpo_loss": "grpo",
+    "TaskSampler": "tasks", "reward": "tasks",
+    "policy_config": "policy", "pretrain_policy": "policy", "cached_policy": "policy",
+})

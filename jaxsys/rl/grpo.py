@@ -144,7 +144,7 @@ class GRPOTrainer:
 
   def step(self) -> dict:
     c = self.config
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     prompts = self.tasks.sample(c.prompts_per_step, self.rng)
     examples = [ex for ex in prompts for _ in range(c.group_size)]
     target = self.policy
@@ -155,7 +155,7 @@ class GRPOTrainer:
       state = self.spot.stop()
       if state is not None:
         self.engine.set_drafter(state)  # swap the updated drafter in between rollouts
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if self.buffer is not None:
       self.buffer.add(self.step_count, res.sequences, res.features, res.prompt_lengths)
     rewards = np.array([tasks_lib.reward(ex, r) for ex, r in zip(examples, res.tokens)], np.float32)
@@ -175,11 +175,12 @@ class GRPOTrainer:
                                                       ref_logp[idx])
     jax.block_until_ready(self.params)
     self.engine.set_weights(self.policy)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     self.step_count += 1
     lengths = np.array([len(t) for t in res.tokens])
     return {"step": self.step_count, "reward_mean": float(rewards.mean()),
             "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "step_seconds": t2 - t0,
+            "rollout_cpu_seconds": c1 - c0, "step_cpu_seconds": c2 - c0,
             "mean_accepted": res.stats["mean_accepted"], "spec_steps": res.stats["spec_steps"],
             "vanilla_steps": res.stats["vanilla_steps"], "len_mean": float(lengths.mean()),
             "len_max": int(lengths.max()), "loss": float(aux["loss"]), "kl": float(aux["kl"]),

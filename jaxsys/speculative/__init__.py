@@ -1,1 +1,26 @@
-"""jaxsys.speculative."""
+"""TLT speculative decoding for RL rollouts.
+
+* ``sampling``: ``SamplingParams`` (temperature / top-k / top-p, validated) and the processed
+  target distribution acceptance works on.
+* ``tree``: draft-tree selection, ancestor mask, positions, ``TreeMask`` for ``jaxsys.ops.attention``.
+* ``acceptance``: lossless greedy / rejection-sampling acceptance over siblings (pure functions).
+* ``forward``, ``decode``: tree-masked target/drafter passes over a contiguous KV cache,
+  commit/rollback, and the prefill / vanilla / draft / verify steps.
+* ``bandit``: ``Strategy`` and the bucketed epsilon-greedy ``BucketedBandit``.
+* ``pool``: ``ExecutablePool`` of ahead-of-time compiled executables; persistent compile cache.
+* ``engine``: ``RolloutEngine`` (speculation in the long tail, strategy bandit, bucketed batches).
+* ``online``: drafter buffer, trainer, background spot trainer and orbax checkpoints.
+"""
+
+from jaxsys._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "SamplingParams": "sampling", "GREEDY": "sampling", "target_probs": "sampling",
+    "Tree": "tree", "TreeMask": "tree", "select_tree": "tree", "ancestor_matrix": "tree",
+    "accept_tree": "acceptance", "accept_batch": "acceptance",
+    "Strategy": "bandit", "BucketedBandit": "bandit",
+    "ExecutablePool": "pool", "enable_persistent_cache": "pool",
+    "RolloutEngine": "engine", "EngineConfig": "engine",
+    "DrafterBuffer": "online", "DrafterTrainer": "online", "SpotTrainer": "online",
+    "save_drafter": "online", "load_drafter": "online",
+})

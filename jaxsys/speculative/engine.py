@@ -10,8 +10,8 @@ latency bound and verification of many draft tokens is almost free). TLT's engin
 * lets a ``BucketedBandit`` pick the strategy (depth, topk, verify_tokens) per batch bucket,
   rewarded by ``accepted tokens x batch / step time`` (tokens per second);
 * runs only ahead-of-time compiled executables from an ``ExecutablePool`` keyed by
-  ``(step, strategy or verify_tokens, batch bucket)``; verification is shared by every strategy
-  with the same ``verify_tokens``.
+  ``(step, strategy or verify_tokens, batch bucket)`` plus the static decode config (so engines
+  can share one pool); verification is shared by every strategy with the same ``verify_tokens``.
 
 Usage::
 

@@ -84,7 +84,7 @@ def _choose_blocks(bs: fa.BlockSizes, tq, tk, nodes, backend):
   return bq, bk
 
 
-def _pack(cls_tables, bits, visits_pad=None):
+def _pack(cls_tables, bits):
   """``(idx, cls, cnt)`` + bits -> int32 ``[Ht, n, W]`` rows ``[cnt, idx[V], cls[V], bits[V]]``."""
   idx, cls, cnt = cls_tables
   ht, n, v = idx.shape
@@ -97,7 +97,7 @@ def _pack(cls_tables, bits, visits_pad=None):
   return tab, v
 
 
-def _block_bits(nodes, lay: layout_lib.BlockLayout, heads, transposed):
+def _block_bits(nodes, lay: layout_lib.BlockLayout):
   """int32 ``[Ht, n, nk or nq]`` bit t = layout of BlockSparse node t at each kernel block."""
   nq, nk = lay.num_q_blocks, lay.num_k_blocks
   ht = lay.cls.shape[0]
@@ -112,7 +112,7 @@ def _block_bits(nodes, lay: layout_lib.BlockLayout, heads, transposed):
     if val.shape[0] != ht:
       val = np.broadcast_to(val[:1] if ht == 1 else val, (ht, nq, nk))
     bits |= val << t
-  return np.swapaxes(bits, 1, 2) if transposed else bits
+  return bits
 
 
 def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = None, *,
@@ -134,9 +134,8 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
     cls = np.where(cls == layout_lib.FULL, layout_lib.PARTIAL, cls).astype(np.int8)
   lay = layout_lib.BlockLayout(cls, bq, bk, tq, tk)
   tables, tables_t = lay.tables, lay.transposed_tables
-  bits = _block_bits(nodes, lay, h, False)
-  bits_g = np.take_along_axis(np.broadcast_to(bits, (cls.shape[0], *bits.shape[1:])),
-                              tables[0], axis=-1)
+  bits = _block_bits(nodes, lay)                                     # [Ht, nq, nk]
+  bits_g = np.take_along_axis(bits, tables[0], axis=-1)
   bits_t = np.take_along_axis(np.swapaxes(bits, 1, 2), tables_t[0], axis=-1)
   tab, v_fwd = _pack(tables, bits_g)
   tab_t, v_bwd = _pack(tables_t, bits_t)
