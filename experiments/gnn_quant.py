@@ -63,7 +63,7 @@ def _train_gcn(ds, quant, seed, epochs, init_bits=None, degree_bits=None, degree
 
 
 def _a2q_section(ds, cfg, out):
-  from jaxsys.models.gnn import compression_ratio, feature_quantizers
+  from jaxsys.models.gnn import compression_ratio
   from jaxsys.nn.quantized import A2QConfig
   from jaxsys.quant import a2q
   from jaxsys.quant.mega import degree_aware_bits, in_degree

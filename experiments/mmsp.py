@@ -112,8 +112,19 @@ def measure_strategy(label, b, lengths, h, hk, d, time_len, iters):
       key = jax.random.PRNGKey(0)
       q = jax.device_put(jax.random.normal(key, (b, s, h, d)), sh)
       k = jax.device_put(jax.random.normal(key, (b, s, hk, d)), sh)
-      res["step_ms"] = time_fn(fn, q, k, k, warmup=1, iters=iters).ms
+      jax.block_until_ready(fn(q, k, k))  # warm-up; timed round-robin in time_round_robin
+      res["_timed"] = (fn, (q, k, k))
   return res
+
+
+def time_round_robin(programs: dict, rounds: int) -> dict:
+  """Min time per program, calling the programs in turn each round, so that load changes on a
+  shared machine hit every strategy alike (one program at a time, never concurrently)."""
+  best = {k: float("inf") for k in programs}
+  for _ in range(rounds):
+    for label, (fn, args) in programs.items():
+      best[label] = min(best[label], time_fn(fn, *args, warmup=0, iters=1).ms)
+  return best
 
 
 def measure_decoder_step(labels, s, iters):
@@ -148,9 +159,13 @@ def measure_decoder_step(labels, s, iters):
         return -jnp.mean(jnp.take_along_axis(lp, batch["labels"][..., None], -1))
       return jax.value_and_grad(loss)(params)
 
-    with jax.set_mesh(mesh):
-      out[label] = time_fn(step, params, batch, warmup=1, iters=iters).ms
-  return out
+    def call(params, batch, step=step, mesh=mesh):
+      with jax.set_mesh(mesh):
+        return step(params, batch)
+
+    jax.block_until_ready(call(params, batch))  # compile + warm-up
+    out[label] = (call, (params, batch))
+  return time_round_robin(out, rounds=2 * iters + 1)
 
 
 def longest_fit(peak: dict, budget: float) -> int:
@@ -242,6 +257,9 @@ def run(quick: bool, out_dir: str):
 
   impl, impl_error = _pick_impl()
   res = {label: measure_strategy(label, b, lengths, h, hk, d, time_s, iters) for label in SETUPS}
+  step_ms = time_round_robin({k: v.pop("_timed") for k, v in res.items()}, rounds=2 * iters + 1)
+  for label, ms in step_ms.items():
+    res[label]["step_ms"] = ms
   dec_times = measure_decoder_step(dec_labels, dec_s, iters)
   imb = imbalance(comm_s, h)
   fits = {k: longest_fit(v["peak_bytes"], budget) for k, v in res.items()}

@@ -192,7 +192,7 @@ def train_large(s: dict) -> tuple[list[Row], dict]:
   mask = jnp.asarray(ds_r.train_mask | ds_r.val_mask)
 
   @nnx.jit
-  def step(model, opt, x, inputs):
+  def step(model, opt, x, inputs, labels, mask):
     def loss_fn(model):
       ce = optax.softmax_cross_entropy_with_integer_labels(model(x, inputs), labels)
       return jnp.sum(ce * mask) / jnp.sum(mask)
@@ -203,7 +203,7 @@ def train_large(s: dict) -> tuple[list[Row], dict]:
   losses, times = [], []
   for _ in range(4):
     t0 = time.perf_counter()
-    losses.append(float(step(model, opt, x, inputs)))
+    losses.append(float(step(model, opt, x, inputs, labels, mask)))
     times.append(time.perf_counter() - t0)
   ms = 1e3 * float(np.median(times[1:]))
   rows = [Row(f"GT training step @{n // 1000}K nodes (reformed topology attention)", "ms", ours=ms,
@@ -279,7 +279,7 @@ def memory_scaling(s: dict) -> tuple[list[Row], dict]:
   import optax
   from jaxsys.core.mesh import make_mesh
   from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
-  from jaxsys.parallel.graph import graph_parallel_loss, plan_graph_partition
+  from jaxsys.parallel.graph import graph_parallel_loss, plan_arrays, plan_graph_partition
   budget = s["budget_gib"] * 2**30
   out = {"devices": [], "max_nodes": [], "bytes": []}
   rows = []
@@ -295,11 +295,13 @@ def memory_scaling(s: dict) -> tuple[list[Row], dict]:
       labels = jnp.asarray(plan.to_slots(ds.labels))
       mask = jnp.asarray(plan.to_slots(ds.train_mask, False))
       graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+      arrays = plan_arrays(plan, mesh)
 
-      def loss(params, labels, mask, graphdef=graphdef, rest=rest, plan=plan, mesh=mesh):
-        return graph_parallel_loss(nnx.merge(graphdef, params, rest), plan, mesh, labels, mask)
+      def loss(params, labels, mask, arrays, graphdef=graphdef, rest=rest, plan=plan, mesh=mesh):
+        return graph_parallel_loss(nnx.merge(graphdef, params, rest), plan, mesh, labels, mask,
+                                   arrays=arrays)
 
-      mem = compiled_memory(jax.jit(jax.value_and_grad(loss)), params, labels, mask)
+      mem = compiled_memory(jax.jit(jax.value_and_grad(loss)), params, labels, mask, arrays)
       pts.append((n, mem["peak_bytes"] if mem else float("nan")))
     (n0, b0), (n1, b1) = pts
     slope = (b1 - b0) / (n1 - n0)
@@ -355,6 +357,8 @@ def run(quick: bool, out_dir: str):
     rows += r
     extra[part.__name__] = e
     extra[part.__name__ + "_seconds"] = time.perf_counter() - t0
+    write_result(NAME, rows, config=dict(s), quick=quick, out_dir=out_dir,
+                 extra={"details": extra, "partial": True})  # survives an interrupted run
   _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"])
   write_result(NAME, rows, config={k: v for k, v in s.items()}, quick=quick, out_dir=out_dir,
                extra={"details": extra})

@@ -10,4 +10,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "time_fn": "bench", "compiled_memory": "bench", "hardware_string": "bench",
     "matmul_peak_gflops": "bench", "Timing": "bench",
     "Row": "results", "write_result": "results", "run_dir": "results",
+    "Checkpointer": "checkpoint",
 })

@@ -63,7 +63,9 @@ def load_planetoid(name: str = "cora", *, row_normalize: bool = False) -> NodeDa
 
 
 def _unpickle(path: str):
-  with open(path, "rb") as fh:
+  import warnings
+  with open(path, "rb") as fh, warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # old pickles name scipy.sparse.csr
     return pickle.load(fh, encoding="latin1")
 
 

@@ -177,11 +177,13 @@ def _dense_shard_attention(q, k, v, node_mask, axis, strategy, num_parts):
 
 
 def graph_parallel_apply(model, plan: GraphPartitionPlan, mesh: Mesh, *, axis: str = "graph",
-                         dense_step: bool = False, dense_strategy: str = "ring", features=None):
+                         dense_step: bool = False, dense_strategy: str = "ring", features=None,
+                         arrays: dict | None = None):
   """Forward of a ``GraphTransformer`` (node task) with nodes sharded over ``mesh[axis]``.
 
   Returns logits ``[P*n_local, C]`` in slab order (``plan.to_original`` restores node order).
-  Differentiable w.r.t. the model state and ``features``.
+  Differentiable w.r.t. the model state and ``features``. ``arrays``: ``plan_arrays(...)``
+  (built here when None; inside ``jit`` pass them as arguments).
   """
   if axis not in mesh.axis_names or mesh.shape[axis] != plan.num_parts:
     raise ConfigError(f"mesh axis {axis!r} must exist with size num_parts={plan.num_parts}; "
@@ -189,17 +191,24 @@ def graph_parallel_apply(model, plan: GraphPartitionPlan, mesh: Mesh, *, axis: s
   if dense_strategy not in DENSE_STRATEGIES:
     raise ConfigError(f"{dense_strategy=} must be one of {DENSE_STRATEGIES}")
   graphdef, state = nnx.split(model)
-  feats = jnp.asarray(plan.features) if features is None else features
-  return _apply(graphdef, state, feats, plan, mesh, axis, dense_step, dense_strategy)
+  arrays = plan_arrays(plan, mesh, axis) if arrays is None else arrays
+  feats = arrays["features"] if features is None else features
+  return _apply(graphdef, state, feats, arrays, plan, mesh, axis, dense_step, dense_strategy)
 
 
-def _apply(graphdef, state, feats, plan, mesh, axis, dense_step, dense_strategy):
+def plan_arrays(plan: GraphPartitionPlan, mesh: Mesh, axis: str = "graph") -> dict:
+  """The plan's per-device arrays placed on the mesh (pass them as jit arguments so a jitted
+  step does not embed graph-sized constants)."""
+  shard = NamedSharding(mesh, P(axis))
+  names = ("senders", "receivers", "send_idx", "degree", "node_mask", "features")
+  return {k: jax.device_put(jnp.asarray(getattr(plan, k)), shard) for k in names}
+
+
+def _apply(graphdef, state, feats, arrays, plan, mesh, axis, dense_step, dense_strategy):
   num_parts = plan.num_parts
   shard = NamedSharding(mesh, P(axis))
-  arrays = [jax.device_put(jnp.asarray(a), shard) for a in (
-      plan.senders, plan.receivers, plan.send_idx, plan.degree, plan.node_mask)]
-  feats = jax.lax.with_sharding_constraint(feats, shard) if isinstance(feats, jax.core.Tracer) \
-      else jax.device_put(feats, shard)
+  feats = jax.lax.with_sharding_constraint(feats, shard)
+  arrays = [arrays[k] for k in ("senders", "receivers", "send_idx", "degree", "node_mask")]
 
   def body(state, x, senders, receivers, send_idx, degree, node_mask):
     model = nnx.merge(graphdef, state)
@@ -225,11 +234,11 @@ def _apply(graphdef, state, feats, plan, mesh, axis, dense_step, dense_strategy)
 
 def graph_parallel_loss(model, plan: GraphPartitionPlan, mesh: Mesh, labels, train_mask, *,
                         axis: str = "graph", dense_step: bool = False,
-                        dense_strategy: str = "ring"):
+                        dense_strategy: str = "ring", arrays: dict | None = None):
   """Masked mean cross-entropy of the graph-parallel forward (labels/mask in slab layout)."""
   import optax
   logits = graph_parallel_apply(model, plan, mesh, axis=axis, dense_step=dense_step,
-                                dense_strategy=dense_strategy)
+                                dense_strategy=dense_strategy, arrays=arrays)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   m = train_mask.astype(ce.dtype)
   return jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -237,17 +246,23 @@ def graph_parallel_loss(model, plan: GraphPartitionPlan, mesh: Mesh, labels, tra
 
 def make_train_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx, *, axis: str = "graph",
                     dense_strategy: str = "ring"):
-  """A jitted ``step(graphdef_state, opt_state, labels, mask, dense_step) -> (state, opt, loss)``
-  training a ``GraphTransformer`` whose forward runs under ``shard_map``."""
+  """A jitted ``step(graphdef, params, rest, opt_state, (labels, mask), dense_step)`` ->
+  ``(params, opt_state, loss)`` training a ``GraphTransformer`` whose forward runs under
+  ``shard_map`` (graph arrays are passed as arguments, not constants)."""
+  arrays = plan_arrays(plan, mesh, axis)
+
+  def step(graphdef, params, rest, opt_state, batch, dense_step):
+    return _step(graphdef, params, rest, opt_state, batch, dense_step, arrays)
 
   @functools.partial(jax.jit, static_argnums=(0, 5))
-  def step(graphdef, params, rest, opt_state, batch, dense_step):
+  def _step(graphdef, params, rest, opt_state, batch, dense_step, arrays):
     labels, mask = batch
 
     def loss_fn(params):
       model = nnx.merge(graphdef, params, rest)
       return graph_parallel_loss(model, plan, mesh, labels, mask, axis=axis,
-                                 dense_step=dense_step, dense_strategy=dense_strategy)
+                                 dense_step=dense_step, dense_strategy=dense_strategy,
+                                 arrays=arrays)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer_tx.update(grads, opt_state, params)

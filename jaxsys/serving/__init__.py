@@ -2,10 +2,14 @@
 
 from jaxsys._lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "generate": "generate",
-    "GenerationResult": "generate",
-    "Sampling": "generate",
+# Bound eagerly: importing the ``generate`` submodule would otherwise shadow the function.
+from jaxsys.serving.generate import GenerationResult, Sampling, generate  # noqa: E402
+
+_getattr, __dir__ = lazy_exports(__name__, {
     "Engine": "engine",
     "EngineConfig": "engine",
 })
+
+
+def __getattr__(name):
+  return _getattr(name)

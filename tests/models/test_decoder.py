@@ -151,7 +151,7 @@ def test_shipped_tiny_lm(tmp_path):
   assert files and sum(f.stat().st_size for f in files) < 5e6
   tiny = M.load_tiny_lm()
   assert tiny.config.vocab_size == S.VOCAB.size
-  exs = S.examples("copy", seed=0, count=4, length=48)
+  exs = S.examples("copy", seed=0, count=4, length=128)  # the final training length
   assert M.exact_match(tiny, exs) >= 0.75  # copying is the first thing the recipe teaches
   with pytest.raises(InputError, match="train_tiny_lm"):
     M.load_tiny_lm(tmp_path)

@@ -1,6 +1,5 @@
 """Quantized GNN layers/models: shapes, NNS on unseen graphs, training, packed inference path."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

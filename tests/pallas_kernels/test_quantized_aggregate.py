@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl  # noqa: F401
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops import quantized_aggregate

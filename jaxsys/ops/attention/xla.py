@@ -359,23 +359,52 @@ def _scatter_add(plan: _Plan, acc, kb, blk):
 
 
 def _attention(plan: _Plan, q, k, v, aux):
+  # Traced per-call inputs (segment ids, kv_lengths, a traced q_offset, the refined block
+  # classes) travel as explicit arguments of the custom_vjp, never as closed-over values: a
+  # closure over tracers leaks them when the op runs under shard_map, remat or nested vjps.
+  a = plan.args
+  traced_offset = not isinstance(a.q_offset, int)
+  dyn = {"aux": aux, "q_offset": a.q_offset if traced_offset else None,
+         "kv_lengths": a.kv_lengths, "q_seg": a.q_segment_ids, "kv_seg": a.kv_segment_ids}
+  static_args = dataclasses.replace(a, q=None, k=None, v=None, kv_lengths=None,
+                                    q_segment_ids=None, kv_segment_ids=None,
+                                    q_offset=None if traced_offset else a.q_offset)
+  static_plan = dataclasses.replace(plan, args=static_args)
+
+  def rebuild(dyn):
+    args = dataclasses.replace(
+        static_args, kv_lengths=dyn["kv_lengths"], q_segment_ids=dyn["q_seg"],
+        kv_segment_ids=dyn["kv_seg"],
+        q_offset=dyn["q_offset"] if traced_offset else static_args.q_offset)
+    return dataclasses.replace(static_plan, args=args), dyn["aux"]
+
   @jax.custom_vjp
-  def attn(q, k, v):
-    out, lse = _forward(plan, q, k, v, aux)
+  def attn(q, k, v, dyn):
+    p, ax = rebuild(dyn)
+    out, lse = _forward(p, q, k, v, ax)
     return out.astype(q.dtype), lse
 
-  def fwd(q, k, v):
-    out, lse = _forward(plan, q, k, v, aux)
+  def fwd(q, k, v, dyn):
+    p, ax = rebuild(dyn)
+    out, lse = _forward(p, q, k, v, ax)
     out = out.astype(q.dtype)
-    return (out, lse), (q, k, v, out, lse)
+    return (out, lse), (q, k, v, out, lse, dyn)
 
   def bwd(res, cts):
-    q, k, v, out, lse = res
+    q, k, v, out, lse, dyn = res
+    p, ax = rebuild(dyn)
     dout, dlse = cts  # d lse / d s = p, so dlse folds into delta: ds = p (dp - delta + dlse)
-    return _backward(plan, q, k, v, aux, out, lse, dout, dlse)
+    dq, dk, dv = _backward(p, q, k, v, ax, out, lse, dout, dlse)
+    return dq, dk, dv, jax.tree.map(_zero_cotangent, dyn)
 
   attn.defvjp(fwd, bwd)
-  return attn(q, k, v)
+  return attn(q, k, v, dyn)
+
+
+def _zero_cotangent(x):
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
 
 
 if __name__.endswith(".xla"):  # the development copy must not shadow the registered backend
