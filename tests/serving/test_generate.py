@@ -1,5 +1,6 @@
 """Generation: greedy parity with transformers' generate, sampling, stops, buckets, hidden states."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import _hf_utils as U  # noqa: E402
 
 import jaxsys.models as M  # noqa: E402
 from jaxsys.core.errors import ConfigError, InputError  # noqa: E402
-from jaxsys.serving import generate as G  # noqa: E402
+G = importlib.import_module("jaxsys.serving.generate")  # the module (the package exports the function)
 from jaxsys.serving.kv_cache import KVCache  # noqa: E402
 
 PROMPTS = [[5, 17, 33], [8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41], [60, 2, 7, 7, 90, 3, 21]]
