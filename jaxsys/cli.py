@@ -96,15 +96,22 @@ def _reproduce(args) -> int:
     if result_path.exists():
       result_path.unlink()
     with open(log_path, "w") as log:
-      proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
-                            timeout=args.timeout)
+      try:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                              timeout=args.timeout)
+        returncode = proc.returncode
+      except subprocess.TimeoutExpired:
+        returncode = None
     dt = time.perf_counter() - t0
-    if proc.returncode == 0 and result_path.exists():
+    if returncode is None:
+      res = {"name": name, "error": f"timed out after {args.timeout:.0f}s"}
+      print(f"      TIMED OUT after {dt:.0f}s: see {log_path}", flush=True)
+    elif returncode == 0 and result_path.exists():
       res = json.loads(result_path.read_text())
       print(f"      done in {dt:.0f}s ({len(res.get('rows', []))} rows)", flush=True)
     else:
       tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-      res = {"name": name, "error": f"exit {proc.returncode}: {tail[0][:120]}"}
+      res = {"name": name, "error": f"exit {returncode}: {tail[0][:120]}"}
       print(f"      FAILED in {dt:.0f}s: see {log_path}", flush=True)
     results.append(res)
   table = format_table(results)
