@@ -192,15 +192,21 @@ def _state(r: RowReader, column: str) -> str:
     r.fail(column, str(e))
 
 
+# Columns every Helios-style job log (Helios, Acme) must have; the rest are optional.
+_JOB_LOG_COLUMNS = {"job_id", "gpu_num", "state", "submit_time", "start_time", "end_time"}
+
+
+def _load_job_log(path: Path, label: str, parse, on_error: str) -> Trace:
+  header, rows = read_csv_rows(path)
+  if missing := _JOB_LOG_COLUMNS - set(header):
+    raise TraceError(f"{path.name}: header lacks {label} columns {sorted(missing)}")
+  return _collect(path, rows, parse, on_error)
+
+
 def load_helios(path: str | Path, *, on_error: str = "raise") -> Trace:
   """Helios ``cluster_log.csv`` (job_id, user, vc, jobname, gpu_num, cpu_num, node_num, state,
   submit_time, start_time, end_time, duration, queue)."""
-  path = Path(path)
-  header, rows = read_csv_rows(path)
-  need = {"job_id", "gpu_num", "state", "submit_time", "start_time", "end_time"}
-  if missing := need - set(header):
-    raise TraceError(f"{path.name}: header lacks Helios columns {sorted(missing)}")
-  return _collect(path, rows, _parse_helios, on_error)
+  return _load_job_log(Path(path), "Helios", _parse_helios, on_error)
 
 
 # ---------------------------------------------------------------------------------------- Acme
@@ -224,12 +230,7 @@ def _parse_acme(r: RowReader) -> Job:
 def load_acme(path: str | Path, *, on_error: str = "raise") -> Trace:
   """AcmeTrace ``trace_seren.csv`` / ``trace_kalos.csv`` (job_id, user, node_num, gpu_num,
   cpu_num, type, state, submit_time, start_time, end_time, ...; Hu et al., NSDI'24)."""
-  path = Path(path)
-  header, rows = read_csv_rows(path)
-  need = {"job_id", "gpu_num", "state", "submit_time", "start_time", "end_time"}
-  if missing := need - set(header):
-    raise TraceError(f"{path.name}: header lacks Acme columns {sorted(missing)}")
-  return _collect(path, rows, _parse_acme, on_error)
+  return _load_job_log(Path(path), "Acme", _parse_acme, on_error)
 
 
 # -------------------------------------------------------------------------------------- Philly
