@@ -2,12 +2,9 @@
 
 Retrieval heads attend densely (``Causal``, optionally intersected with a static block-sparse
 layout); streaming heads attend to ``Sink(sink) | Local(window)`` (LServe section 3: unified
-block-sparse prefill). ``grouped=False`` makes it literally one call of ``jaxsys.ops.attention``
-with a ``MultiHead`` mask; the default ``grouped=True`` issues one call per head group
-(retrieval heads, streaming heads), each with a head-independent mask, because the blockwise
-CPU implementation walks the union of the heads' visited blocks for a per-head layout, while a
-head-independent layout skips every block the group never sees (measured in
-``experiments/lserve.py``). Both give the same result. The keys and
+block-sparse prefill): one call of ``jaxsys.ops.attention`` with a ``MultiHead`` mask, which the
+op splits into one block-sparse call per head group (retrieval heads, streaming heads), so each
+group skips every block it never sees. The keys and
 values are written to the paged cache as they are produced (retrieval pool with page
 statistics; streaming pool keeps only the sink and the last window).
 
@@ -46,25 +43,10 @@ def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
 
 
 def hybrid_attention(c: PagedCacheConfig, layer: int, q, k, v, *, q_offset, kv_lengths,
-                     retrieval_mask=None, grouped: bool = True, impl: str = "auto"):
+                     retrieval_mask=None, impl: str = "auto"):
   """Prefill attention of a layer: ``q [b, t, heads, d]``, ``k, v [b, s, kv_heads, d]``."""
-  flags = c.streaming_flags()[layer]
-  h = q.shape[2]
-  if not grouped or not flags.any() or flags.all():
-    mask = layer_mask(c, layer, h, retrieval_mask)
-    if flags.all():
-      mask = masks.Sink(c.sink) | masks.Local(c.window)
-    return attention(q, k, v, mask=mask, q_offset=q_offset, kv_lengths=kv_lengths, impl=impl)
-  g = h // c.num_kv_heads
-  out = jnp.zeros(q.shape, q.dtype)
-  dense = masks.Causal() if retrieval_mask is None else masks.Causal() & retrieval_mask
-  for kv_idx, mask in ((c.retrieval_heads(layer), dense),
-                       (c.streaming_heads(layer), masks.Sink(c.sink) | masks.Local(c.window))):
-    q_idx = (kv_idx[:, None] * g + np.arange(g)[None]).reshape(-1)  # static head lists
-    o = attention(q[:, :, q_idx], k[:, :, kv_idx], v[:, :, kv_idx], mask=mask, q_offset=q_offset,
-                  kv_lengths=kv_lengths, impl=impl)
-    out = out.at[:, :, q_idx].set(o)
-  return out
+  mask = layer_mask(c, layer, q.shape[2], retrieval_mask)
+  return attention(q, k, v, mask=mask, q_offset=q_offset, kv_lengths=kv_lengths, impl=impl)
 
 
 def check_model(model, c: PagedCacheConfig):
@@ -79,7 +61,7 @@ def check_model(model, c: PagedCacheConfig):
 
 
 def prefill(model, c: PagedCacheConfig, st, tokens, length, block_table, stream_table, *,
-            chunk: int | None = None, retrieval_mask=None, grouped: bool = True,
+            chunk: int | None = None, retrieval_mask=None,
             impl: str = "auto"):
   """Runs the prompt ``tokens int[1, T]`` (valid ``length``) through the model, filling the cache.
 
@@ -93,12 +75,12 @@ def prefill(model, c: PagedCacheConfig, st, tokens, length, block_table, stream_
   check_model(model, c)
   graphdef, params = nnx.split(model)
   return _prefill(graphdef, params, c, st, tokens, jnp.asarray(length, jnp.int32), block_table,
-                  stream_table, chunk, retrieval_mask, grouped, impl)
+                  stream_table, chunk, retrieval_mask, impl)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 8, 9, 10, 11), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 2, 8, 9, 10), donate_argnums=(3,))
 def _prefill(graphdef, params, c, st, tokens, length, block_table, stream_table, chunk,
-             retrieval_mask, grouped, impl):
+             retrieval_mask, impl):
   model = nnx.merge(graphdef, params)
   b, t = tokens.shape
   pos_all = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -121,7 +103,7 @@ def _prefill(graphdef, params, c, st, tokens, length, block_table, stream_table,
         vbuf[i] = jax.lax.dynamic_update_slice_in_dim(vbuf[i], v, start, axis=1)
         k, v = kbuf[i][:, :end], vbuf[i][:, :end]
       o = hybrid_attention(c, i, q, k, v, q_offset=start, kv_lengths=kv_len,
-                           retrieval_mask=retrieval_mask, grouped=grouped, impl=impl)
+                           retrieval_mask=retrieval_mask, impl=impl)
       h = x + layer.attn.project_out(o)
       x = h + layer.mlp(layer.mlp_norm(h))
     hidden.append(x)

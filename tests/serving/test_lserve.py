@@ -72,7 +72,7 @@ def test_lserve_config_errors():
     lserve.LServeConfig(streaming_fraction=1.5)
 
 
-def test_hybrid_prefill_grouped_equals_one_multihead_call():
+def test_hybrid_prefill_equals_reference_multihead():
   from jaxsys.serving.prefill import hybrid_attention
   c = pc.PagedCacheConfig(num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=8, page_size=8,
                           logical_page_size=4, sink=4, window=10, streaming=((True, False),))
@@ -81,12 +81,10 @@ def test_hybrid_prefill_grouped_equals_one_multihead_call():
   k = jnp.asarray(rng.standard_normal((1, 40, HK, D)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((1, 40, HK, D)), jnp.float32)
   static = masks.BlockSparse(np.tril(np.ones((3, 5), bool), 2) , 8, 8)  # optional static sparsity
-  run = jax.jit(lambda q, k, v, grouped, rm: hybrid_attention(c, 0, q, k, v, q_offset=16, kv_lengths=None,
-                                                               retrieval_mask=rm, grouped=grouped),
-                static_argnums=(3, 4))
+  run = jax.jit(lambda q, k, v, rm: hybrid_attention(c, 0, q, k, v, q_offset=16, kv_lengths=None,
+                                                      retrieval_mask=rm), static_argnums=(3,))
   stream = masks.Sink(4) | masks.Local(10)
   for rm in (None, static):
     dense = masks.Causal() if rm is None else masks.Causal() & rm
     ref = attention(q, k, v, mask=masks.MultiHead([stream] * 2 + [dense] * 2), q_offset=16, impl="reference")
-    np.testing.assert_allclose(run(q, k, v, True, rm), ref, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(run(q, k, v, False, rm), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(run(q, k, v, rm), ref, atol=1e-5, rtol=1e-5)

@@ -2,14 +2,24 @@
 
 Implementations are tried in order; one that cannot serve a call raises
 ``NotImplementedError`` with the reason, and ``impl="auto"`` moves on to the next.
+
+A ``MultiHead`` mask whose query heads of each kv group share one mask (e.g. LServe's retrieval /
+streaming heads) is split here into one call per distinct mask over its kv heads: a block layout
+is per call, so a single call would visit the union of all heads' blocks, while each group's call
+skips every block that group never sees. The naive ``reference`` keeps the single call (it is the
+oracle the split is tested against).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.attention.common import AttentionArgs, validate
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "reference")
@@ -44,6 +54,46 @@ def _load(name: str):
   return _REGISTRY[name]
 
 
+def head_groups(mask, q, k):
+  """``[(mask, kv_head_ids)]`` for a ``MultiHead`` mask that is uniform within each kv group, or
+  None (not a ``MultiHead`` mask, heads mixed inside a kv group, unhashable masks, or shapes that
+  ``validate`` will reject)."""
+  if not isinstance(mask, masks_lib.MultiHead) or getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
+    return None
+  heads, kv_heads = q.shape[2], k.shape[2]
+  if mask.num_heads != heads or heads % kv_heads:
+    return None
+  g = heads // kv_heads
+  groups: dict = {}
+  try:
+    for j in range(kv_heads):
+      first, *rest = mask.masks[j * g:(j + 1) * g]
+      if any(m != first for m in rest):
+        return None
+      groups.setdefault(first, []).append(j)
+  except TypeError:  # a mask field that is not hashable: keep the single call
+    return None
+  return [(m, np.asarray(ids)) for m, ids in groups.items()]
+
+
+def _split_call(call, groups, q, k, v, return_lse: bool):
+  if len(groups) == 1:  # every head has the same mask: a plain call
+    return call(q, k, v, mask=groups[0][0], return_lse=return_lse)
+  g = q.shape[2] // k.shape[2]
+  outs, lses, order = [], [], []
+  for mask, kv_ids in groups:
+    q_ids = (kv_ids[:, None] * g + np.arange(g)[None]).reshape(-1)   # static head lists
+    o, lse = call(q[:, :, q_ids], k[:, :, kv_ids], v[:, :, kv_ids], mask=mask, return_lse=True)
+    outs.append(o)
+    lses.append(lse)
+    order.append(q_ids)
+  inverse = np.argsort(np.concatenate(order))      # back to the caller's head order
+  out = jnp.concatenate(outs, axis=2)[:, :, inverse]          # [batch, q_len, heads, head_dim]
+  if not return_lse:
+    return out
+  return out, jnp.concatenate(lses, axis=1)[:, inverse]      # [batch, heads, q_len]
+
+
 def auto_order() -> tuple[str, ...]:
   return ("pallas", "xla") if jax.default_backend() in ("gpu", "tpu") else ("xla",)
 
@@ -74,6 +124,11 @@ def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "
   """
   if impl not in IMPLS:
     raise ValueError(f"{impl=} must be one of {IMPLS}")
+  groups = None if impl == "reference" else head_groups(mask, q, k)
+  if groups is not None:
+    call = functools.partial(attention, segment_ids=segment_ids, scale=scale, impl=impl,
+                             q_offset=q_offset, kv_lengths=kv_lengths, check=check)
+    return _split_call(call, groups, q, k, v, return_lse)
   args = validate(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, q_offset=q_offset,
                   kv_lengths=kv_lengths, check=check)
   order = auto_order() if impl == "auto" else (impl,)
