@@ -4,7 +4,8 @@ Tasks (each an :class:`Example` = ``prompt`` + ``answer`` token lists over :data
 
 * ``copy``: ``<bos> COPY x_1..x_n SEP`` -> ``x_1..x_n <eos>``. Repeated random sequences make
   a model grow induction heads (Olsson et al., 2022): "find the previous occurrence of the
-  current token, emit what followed it" -- the mechanism retrieval needs.
+  current token, emit what followed it" -- the mechanism retrieval needs. ``n`` may be a range
+  ``(lo, hi)`` drawn per example (training uses it: a fixed ``n`` is solvable by position alone).
 * ``recall``: multi-query associative recall in a haystack (MQAR, Arora et al., 2023):
   ``n_keys`` key/value pairs ``k v`` scattered in random filler, then ``n_queries`` times
   ``? k v``; every value after a query is an answer token (the last one is the answer).
@@ -121,6 +122,10 @@ def _scatter(rng, haystack: list[int], needles: list[list[int]]) -> list[int]:
 
 
 def _copy(rng, length, v, n=None):
+  # a range (lo, hi) varies the copy distance per example, so the only solution is content-based
+  # (induction heads); a fixed n lets a model copy from a fixed relative position instead
+  if isinstance(n, (tuple, list)):
+    n = int(rng.integers(n[0], min(n[1], (length - 4) // 2) + 1))
   n = n or max(1, (length - 4) // 2)
   xs = (v.value0 + rng.integers(0, v.num_values, n)).tolist()
   return Example("copy", (v.bos, v.copy, *xs, v.sep), (*xs, v.eos))

@@ -71,3 +71,11 @@ def test_tokenizer_round_trip(tmp_path):
   text = S.detokenize(e.prompt)
   assert tok(text, add_special_tokens=False)["input_ids"] == list(e.prompt)
   assert tok.decode(list(e.answer)) == S.detokenize(e.answer)
+
+
+def test_copy_length_range_varies_the_copy_distance():
+  exs = S.examples("copy", seed=0, count=40, length=96, n=(4, 200))
+  lengths = {len(e.answer) - 1 for e in exs}
+  assert len(lengths) > 10 and min(lengths) >= 4 and max(lengths) <= (96 - 4) // 2
+  for e in exs:
+    assert list(e.answer[:-1]) == list(e.prompt[2:-1])  # the answer repeats the sequence
