@@ -1,12 +1,20 @@
 """TLT: speculative decoding in RL rollouts (adaptive drafter + adaptive rollout engine).
 
-Measures, on CPU with a tiny policy warmed up on the synthetic tasks (``jaxsys.rl.tasks``):
+Measures, on CPU with the shipped tiny trained LM (``jaxsys.models.load_tiny_lm``) as the RL
+policy and target, on prompts of ``jaxsys.data.synthetic`` (``jaxsys.rl.tasks.LongTailMix``:
+mostly short recall/arith answers, ``long_fraction`` copy prompts of 40+ tokens; reward
+``synthetic.reward``):
 
 1. mean accepted length and decode speedup vs batch size (1..32) for a chain and a tree strategy
-   (greedy, so the speculative output is also checked token for token against vanilla);
+   on long copy prompts (sampled at the GRPO temperature);
 2. acceptance of a drafter trained once vs one trained online while GRPO moves the policy;
-3. end-to-end GRPO step time with a long-tailed response length: TLT engine vs the same engine
+3. end-to-end GRPO step time with the long-tailed response length: TLT engine vs the same engine
    without speculation, same seeds, interleaved in one process; reward curves overlaid.
+
+Both engines are ``fused`` (``jaxsys.speculative.fused``): vanilla decoding of the full batch is
+one on-device while_loop until fewer than ``spec_threshold`` rows run; the batch then shrinks
+and the long tail is one while_loop too, speculative (TLT) or vanilla (baseline). Steps 2+
+are compared (step 1 compiles).
 
 Run: ``python -m experiments.tlt --quick``.
 """
@@ -24,17 +32,17 @@ NAME = "tlt"
 
 def _config(quick: bool) -> dict:
   return dict(
-      policy_steps=300 if quick else 800,
-      drafter_warm_steps=150 if quick else 400,
-      batches=(1, 2, 4, 8, 16, 32),
-      span=(24, 32) if quick else (32, 40),
-      chain=(4, 1, 5), tree=(4, 2, 5),  # same verify_tokens: one shared verify executable
+      drafter_warm_steps=100 if quick else 400,
+      repeats=3 if quick else 5,  # best-of-N timings
+      batches=(1, 8, 32) if quick else (1, 2, 4, 8, 16, 32),
+      long_copy=(40, 60) if quick else (40, 100),
+      chain=(4, 1, 5), tree=(4, 2, 5),  # same verify_tokens: shared tree sizes
       grpo_steps=4 if quick else 10,
       prompts_per_step=8, group_size=4,
       long_fraction=0.15,
       spot_steps=15 if quick else 40,
       spec_threshold=8,
-      max_new=44,
+      temperature=1.0,
   )
 
 
@@ -42,8 +50,10 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   import jax
   from flax import nnx
 
+  from jaxsys.data import synthetic
+  from jaxsys.models import load_tiny_lm
   from jaxsys.models.drafter import DrafterConfig, EagleDrafter
-  from jaxsys.rl import grpo, policy as pol, tasks
+  from jaxsys.rl import grpo, tasks
   from jaxsys.speculative import online
   from jaxsys.speculative.bandit import Strategy
   from jaxsys.speculative.engine import EngineConfig, RolloutEngine
@@ -56,21 +66,27 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   log = {}
 
   # ---- policy and initial drafter --------------------------------------------------------
-  policy = pol.cached_policy(str(out / "policy_ckpt"), steps=cfg["policy_steps"])
+  policy = load_tiny_lm()
+  mix = dict(long_copy=cfg["long_copy"])
+  long_sampler = tasks.LongTailMix(long_fraction=1.0, seed=5, **mix)
   chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
-  # One sampling config and one executable pool for every engine below: each (step, bucket)
+  # One sampling config and one executable pool for every engine below: each (loop, bucket)
   # compiles once for the whole experiment.
-  base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=8,
-              stop_tokens=(tasks.EOS,), batch_buckets=(1, 2, 4, 8, 16, 32),
-              spec_threshold=cfg["spec_threshold"], sampling=SamplingParams(1.0))
+  base = dict(strategies=(chain, tree), max_new=long_sampler.max_response,
+              max_prompt=long_sampler.max_prompt, stop_tokens=(synthetic.VOCAB.eos,),
+              batch_buckets=cfg["batches"], spec_threshold=cfg["spec_threshold"],
+              sampling=SamplingParams(cfg["temperature"]), fused=True)
   pool = ExecutablePool(max_entries=256)
   drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(1))
   warm = RolloutEngine(policy, drafter, EngineConfig(**base, speculative=False), pool=pool)
-  sampler = tasks.TaskSampler(long_fraction=0.3, seed=11)
+  sampler = tasks.LongTailMix(long_fraction=0.5, seed=11, **mix)
   buffer = online.DrafterBuffer(max_steps=2, seed=0)
-  res = warm.generate([list(e.prompt) for e in sampler.sample(32)], seed=123)
-  buffer.add(-1, res.sequences, res.features, res.prompt_lengths)
-  trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=16, seq_len=64)
+  res = None
+  for k in range(2):  # two rollouts of the initial policy: the drafter's warm-up data
+    res = warm.generate([list(e.prompt) for e in sampler.sample(32)], seed=123 + k)
+    buffer.add(k - 2, res.sequences, res.features, res.prompt_lengths)
+  seq_len = 1 << (base["max_prompt"] + base["max_new"] - 1).bit_length()
+  trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=16, seq_len=seq_len)
   log["drafter_warm"] = trainer.train(policy, buffer, cfg["drafter_warm_steps"])
   drafter0 = trainer.drafter  # "trained once"
   online.save_drafter(out / "drafter_ckpt" / f"warm_{int(time.time())}", drafter0)
@@ -79,7 +95,6 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   # ---- 1) acceptance and speedup vs batch size (sampled, long responses) ------------------
   spec_engine = RolloutEngine(policy, drafter0, EngineConfig(**base), pool=pool)
   rng = np.random.default_rng(3)
-  long_sampler = tasks.TaskSampler(long_fraction=1.0, long_span=cfg["span"], add_fraction=0.0, seed=5)
   rows, curve = [], {"batch": [], "chain_acc": [], "tree_acc": [], "chain_speedup": [], "tree_speedup": []}
   for b in cfg["batches"]:
     prompts = [list(e.prompt) for e in long_sampler.sample(b, rng)]
@@ -88,7 +103,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
       kw = dict(force_strategy=strat, speculative=strat is not None)
       spec_engine.generate(prompts, seed=0, **kw)  # compile / warm-up
       best, best_cpu = 0.0, 0.0
-      for rep in range(5):  # best of 5: short runs on a shared CPU are noisy
+      for rep in range(cfg["repeats"]):  # best of N: short runs on a shared CPU are noisy
         t0, c0 = time.perf_counter(), time.process_time()
         r = spec_engine.generate(prompts, seed=1 + rep, **kw)
         n_tok = sum(len(t) for t in r.tokens)
@@ -110,16 +125,17 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   def make_trainer(speculative: bool):
     pol_copy = nnx.merge(*nnx.split(policy))
     eng = RolloutEngine(pol_copy, drafter0, EngineConfig(**base, speculative=speculative), pool=pool)
-    tsamp = tasks.TaskSampler(long_fraction=cfg["long_fraction"], seed=7)
+    tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=7, **mix)
     buf = online.DrafterBuffer(max_steps=2, seed=1)
     spot = None
     if speculative:
       buf.add(-1, res.sequences, res.features, res.prompt_lengths)
-      dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter0)), lr=1e-3, batch=16, seq_len=64)
+      dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter0)), lr=1e-3, batch=16, seq_len=seq_len)
       spot = online.SpotTrainer(dtr, buf, max_steps=cfg["spot_steps"])
     tr = grpo.GRPOTrainer(pol_copy, eng, tsamp, grpo.GRPOConfig(
         group_size=cfg["group_size"], prompts_per_step=cfg["prompts_per_step"], seed=0),
-        buffer=buf if speculative else None, spot=spot)
+        buffer=buf if speculative else None, spot=spot, reward_fn=synthetic.reward,
+        pad_id=synthetic.VOCAB.pad)
     return tr, eng, spot
 
   tlt, tlt_engine, spot = make_trainer(True)
@@ -139,11 +155,13 @@ def run(quick: bool, out_dir: str) -> list[Row]:
     online_eval.set_drafter(tlt_engine.dstate)
     hist["acc_frozen"].append(frozen_eval.generate(eval_prompts, seed=step, force_strategy=chain).stats["mean_accepted"] + 1)
     hist["acc_online"].append(online_eval.generate(eval_prompts, seed=step, force_strategy=chain).stats["mean_accepted"] + 1)
-    print(flush=True)
-    print(f"[tlt] grpo step {step}: vanilla {hist['vanilla'][-1]['step_seconds']:.2f}s "
-          f"reward {hist['vanilla'][-1]['reward_mean']:.3f} | tlt {hist['tlt'][-1]['step_seconds']:.2f}s "
-          f"reward {hist['tlt'][-1]['reward_mean']:.3f} acc {hist['tlt'][-1]['mean_accepted']:.2f} | "
-          f"eval acc frozen {hist['acc_frozen'][-1]:.2f} online {hist['acc_online'][-1]:.2f}")
+    v, t = hist["vanilla"][-1], hist["tlt"][-1]
+    print(f"[tlt] grpo step {step}: vanilla {v['step_seconds']:.2f}s (cpu {v['step_cpu_seconds']:.2f}, "
+          f"rollout {v['rollout_seconds']:.2f}) reward {v['reward_mean']:.3f} len {v['len_mean']:.1f}/"
+          f"{v['len_max']} | tlt {t['step_seconds']:.2f}s (cpu {t['step_cpu_seconds']:.2f}, rollout "
+          f"{t['rollout_seconds']:.2f}) reward {t['reward_mean']:.3f} acc {t['mean_accepted']:.2f} "
+          f"spec rounds {t['spec_steps']} | eval acc frozen {hist['acc_frozen'][-1]:.2f} "
+          f"online {hist['acc_online'][-1]:.2f}", flush=True)
   skip = 1 if len(hist["tlt"]) > 1 else 0  # the first step includes one-off work (drafter compile)
   v_step = float(np.mean([m["step_seconds"] for m in hist["vanilla"][skip:]]))
   t_step = float(np.mean([m["step_seconds"] for m in hist["tlt"][skip:]]))
@@ -166,7 +184,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   ]
   rows[-2].ratio = rows[-2].ours / rows[-2].baseline if rows[-2].baseline else None
   _plots(out, curve, hist)
-  config = dict(cfg, policy=policy.config.__dict__ | {"rope": str(policy.config.rope)},
+  config = dict(cfg, policy={k: str(v) for k, v in policy.config.__dict__.items()},
                 chain=chain.name, tree=tree.name, spot_steps_per_rollout=spot.steps_per_rollout,
                 compilations=pool.compilations,
                 seconds=time.perf_counter() - t_start)

@@ -91,10 +91,10 @@ def grpo_loss(model, tokens, mask, adv, old_logp, ref_logp, clip_eps: float, kl_
   return -obj, {"kl": ((kl * mask).sum(-1) / n).mean(), "clip_frac": clipped}
 
 
-def build_batch(examples, responses, seq_len: int):
+def build_batch(examples, responses, seq_len: int, pad: int = tasks_lib.EOS):
   """Prompt + response token arrays ``int[n, seq_len]`` and the response log-prob mask."""
   n = len(examples)
-  tokens = np.full((n, seq_len), tasks_lib.EOS, np.int32)
+  tokens = np.full((n, seq_len), pad, np.int32)
   mask = np.zeros((n, seq_len - 1), np.float32)
   for i, (ex, resp) in enumerate(zip(examples, responses)):
     seq = list(ex.prompt) + list(resp)
@@ -109,8 +109,12 @@ class GRPOTrainer:
   """One ``step()`` = rollout (engine) -> rewards -> advantages -> clipped updates -> weight sync."""
 
   def __init__(self, policy, engine, tasks: tasks_lib.TaskSampler, config: GRPOConfig, *,
-               buffer=None, spot=None, temperature_check: bool = True):
+               buffer=None, spot=None, temperature_check: bool = True, reward_fn=None,
+               pad_id: int = tasks_lib.EOS):
+    """``reward_fn(example, response) -> float`` (default ``tasks.reward``); ``pad_id`` pads
+    the training batch (masked out of the loss)."""
     self.config = config
+    self.reward_fn, self.pad_id = reward_fn or tasks_lib.reward, pad_id
     self.engine, self.tasks = engine, tasks
     self.buffer, self.spot = buffer, spot
     if temperature_check and engine.config.sampling.greedy:
@@ -158,9 +162,9 @@ class GRPOTrainer:
     t1, c1 = time.perf_counter(), time.process_time()
     if self.buffer is not None:
       self.buffer.add(self.step_count, res.sequences, res.features, res.prompt_lengths)
-    rewards = np.array([tasks_lib.reward(ex, r) for ex, r in zip(examples, res.tokens)], np.float32)
+    rewards = np.array([self.reward_fn(ex, r) for ex, r in zip(examples, res.tokens)], np.float32)
     adv = group_advantages(rewards.reshape(c.prompts_per_step, c.group_size)).reshape(-1)
-    tokens, mask = build_batch(examples, res.tokens, self.seq_len)
+    tokens, mask = build_batch(examples, res.tokens, self.seq_len, self.pad_id)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
     old_logp = self._logp(self.gdef, self.params, self.rest, tokens)  # recomputed by the trainer
     ref_logp = self._logp(self.gdef, self.ref_params, self.rest, tokens)

@@ -114,3 +114,50 @@ def sft_batch(examples, seq_len: int):
     tokens[i, :len(seq)] = seq
     mask[i, len(ex.prompt) - 1:len(seq) - 1] = 1.0
   return tokens, mask
+
+
+@dataclasses.dataclass
+class LongTailMix:
+  """Prompts for the shipped tiny LM (``jaxsys.data.synthetic``) with a long-tailed answer length.
+
+  Most prompts have short answers (``arith``: 1-3 digits, ``recall``: one value; prompts of
+  ``recall_length`` tokens), a ``long_fraction`` are ``copy`` of ``long_copy`` tokens, so a
+  rollout waits on a few long responses. Examples are ``synthetic.Example`` (``prompt``,
+  ``answer`` with EOS); score them with ``synthetic.reward`` (1.0 = exact answer).
+  """
+  long_fraction: float = 0.15
+  long_copy: tuple[int, int] = (40, 60)
+  recall_length: int = 40
+  recall_keys: int = 4
+  arith_fraction: float = 0.5   # of the short prompts; the rest are recall
+  seed: int = 0
+
+  def __post_init__(self):
+    if not 0 <= self.long_fraction <= 1 or not 0 <= self.arith_fraction <= 1:
+      raise ConfigError(f"long_fraction={self.long_fraction} and arith_fraction={self.arith_fraction} "
+                        "must be in [0, 1]")
+    lo, hi = self.long_copy
+    if not 1 <= lo <= hi:
+      raise ConfigError(f"long_copy={self.long_copy} must satisfy 1 <= lo <= hi")
+    self.rng = np.random.default_rng(self.seed)
+
+  def one(self, rng=None):
+    from jaxsys.data import synthetic
+    rng = rng or self.rng
+    if rng.random() < self.long_fraction:
+      n = int(rng.integers(self.long_copy[0], self.long_copy[1] + 1))
+      return synthetic.make_example("copy", rng, 2 * n + 4, n=n)
+    if rng.random() < self.arith_fraction:
+      return synthetic.make_example("arith", rng)
+    return synthetic.make_example("recall", rng, self.recall_length, n_keys=self.recall_keys, n_queries=1)
+
+  def sample(self, n: int, rng=None) -> list:
+    return [self.one(rng) for _ in range(n)]
+
+  @property
+  def max_prompt(self) -> int:
+    return max(self.long_copy[1] + 3, self.recall_length)
+
+  @property
+  def max_response(self) -> int:
+    return self.long_copy[1] + 1

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.drafter import check_compatible
 from jaxsys.speculative import decode as dec
+from jaxsys.speculative import fused
 from jaxsys.speculative.bandit import BucketedBandit, Strategy, bucket_of
 from jaxsys.speculative.pool import ExecutablePool, enable_persistent_cache
 from jaxsys.speculative.sampling import GREEDY, SamplingParams
@@ -55,6 +56,10 @@ class EngineConfig:
   pool_max_bytes: int | None = None
   compilation_cache_dir: str | None = None
   seed: int = 0
+  # fused=True: each phase of a rollout is one on-device while_loop (``fused.py``): vanilla on
+  # the full batch until fewer than spec_threshold rows run, then one shrink and the long tail
+  # (speculative with one bandit-chosen strategy, or vanilla). No Python between decode steps.
+  fused: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "strategies", tuple(self.strategies))
@@ -151,7 +156,7 @@ class RolloutEngine:
 
   def _exe(self, kind: str, b: int, strategy: Strategy | None = None):
     """The compiled executable for ``kind`` at batch bucket ``b`` (built on the first request)."""
-    if kind in ("draft",):
+    if kind in ("draft", "sloop"):
       key = (kind, strategy, b)
     elif kind == "verify":
       key = (kind, strategy.verify_tokens, b)
@@ -185,6 +190,11 @@ class RolloutEngine:
       trees = jax.eval_shape(lambda s: dec.draft(nnx.merge(self.gdef, self.tstate),
                                                  nnx.merge(self.dgdef, self.dstate), s, strategy)[0], st)
       return dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
+    if kind == "vloop":
+      return fused.jit_vanilla_loop(dcfg).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
+    if kind == "sloop":
+      return fused.jit_spec_loop(dcfg, strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate,
+                                                        st).compile()
     raise ValueError(f"unknown executable kind {kind!r}")
 
   def precompile(self, buckets: Sequence[int] | None = None):
@@ -192,6 +202,14 @@ class RolloutEngine:
     for b in buckets or self.config.batch_buckets:
       self._exe("init", b)
       self._exe("prefill", b)
+      if self.config.fused:
+        self._exe("vloop", b)
+        # the long tail (1 .. spec_threshold-1 running rows) runs on these buckets
+        tail = {bucket_of(r, self.config.batch_buckets) for r in range(1, max(self.config.spec_threshold, 2))}
+        if self.config.speculative and b in tail:
+          for s in self.config.strategies:
+            self._exe("sloop", b, s)
+        continue
       self._exe("vanilla", b)
       if self.config.speculative and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
         self._exe("sync", b)
@@ -234,8 +252,12 @@ class RolloutEngine:
     results: dict[int, tuple] = {}
     stats = {"steps": 0, "spec_steps": 0, "vanilla_steps": 0, "accepted": [], "spec_batch": [],
              "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0}
-    spec_on, synced, tail_called = False, False, False
     t_start = time.perf_counter()
+    if c.fused:
+      state, rows = self._run_fused(state, rows, results, n, stats, speculate, on_long_tail,
+                                    force_strategy)
+      return self._finish(state, rows, results, n, stats, t_start, arrs)
+    spec_on, synced, tail_called = False, False, False
     while True:
       done = np.asarray(state.done)
       running = int((~done).sum())
@@ -243,13 +265,7 @@ class RolloutEngine:
         break
       new_b = bucket_of(running, c.batch_buckets)
       if new_b < len(rows):  # shrink the batch: harvest finished rows, keep the running ones
-        self._harvest(state, rows, done, results, n)
-        keep = np.flatnonzero(~done)
-        pad = np.full(new_b - len(keep), np.flatnonzero(done)[0], np.int64)
-        idx = jnp.asarray(np.concatenate([keep, pad]))
-        state = jax.tree.map(lambda a: a[idx] if hasattr(a, "ndim") and a.ndim and a.shape[0] == len(rows) else a, state)
-        state = state.replace(done=state.done.at[len(keep):].set(True))
-        rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
+        state, rows = self._shrink(state, rows, done, new_b, results, n)
         stats["shrinks"] += 1
         continue
       want_spec = speculate and (force_strategy is not None or running < c.spec_threshold or
@@ -284,8 +300,60 @@ class RolloutEngine:
         state.done.block_until_ready()
         stats["vanilla_steps"] += 1
         stats["vanilla_seconds"] += time.perf_counter() - t0
-      stats["steps"] += 1
+    return self._finish(state, rows, results, n, stats, t_start, arrs)
+
+  def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy):
+    """Two on-device phases (see ``EngineConfig.fused``); fills ``stats`` like the step loop."""
+    c = self.config
+    if force_strategy is None:  # phase 1: full batch, vanilla, until the long tail starts
+      t0 = time.perf_counter()
+      thr = max(c.spec_threshold, 1)
+      state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(thr))
+      stats["vanilla_steps"] += int(steps)  # int(): waits for the loop
+      stats["vanilla_seconds"] += time.perf_counter() - t0
+    done = np.asarray(state.done)
+    running = int((~done).sum())
+    if running == 0:
+      return state, rows
+    new_b = bucket_of(running, c.batch_buckets)
+    if new_b < len(rows):  # the long tail runs on the smallest bucket holding its rows
+      state, rows = self._shrink(state, rows, done, new_b, results, n)
+      stats["shrinks"] += 1
+    t0 = time.perf_counter()
+    if not speculate:
+      state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(1))
+      stats["vanilla_steps"] += int(steps)
+      stats["vanilla_seconds"] += time.perf_counter() - t0
+      return state, rows
+    if on_long_tail is not None:
+      on_long_tail()
+    arm = None if force_strategy is not None else self.bandit.select(running)
+    strategy = force_strategy if arm is None else c.strategies[arm]
+    state, rounds, acc, row_rounds = self._exe("sloop", len(rows), strategy)(
+        self.tstate, self.dstate, state)
+    rounds, acc, row_rounds = int(rounds), int(acc), int(row_rounds)
+    dt = time.perf_counter() - t0
+    if arm is not None:  # reward: tokens per second of the whole long-tail phase
+      self.bandit.update(running, arm, (acc + row_rounds) / dt)
+    stats["spec_steps"] += rounds
+    stats["spec_seconds"] += dt
+    stats["accepted"].append(acc / max(row_rounds, 1))  # one entry: the phase's mean
+    stats["spec_batch"].append(running)
+    stats["strategy"].append(strategy.name)
+    return state, rows
+
+  def _shrink(self, state, rows, done, new_b, results, n):
+    """Harvests finished rows and keeps the running ones in a batch of ``new_b`` rows."""
+    self._harvest(state, rows, done, results, n)
+    keep = np.flatnonzero(~done)
+    pad = np.full(new_b - len(keep), np.flatnonzero(done)[0], np.int64)
+    idx = jnp.asarray(np.concatenate([keep, pad]).astype(np.int32))
+    state = _take_rows(state, idx, jnp.int32(len(keep)))
+    return state, np.concatenate([rows[keep], np.full(len(pad), -1)])
+
+  def _finish(self, state, rows, results, n, stats, t_start, arrs) -> RolloutResult:
     self._harvest(state, rows, np.asarray(state.done), results, n, final=True)
+    stats["steps"] = stats["spec_steps"] + stats["vanilla_steps"]
     stats["seconds"] = time.perf_counter() - t_start
     stats["mean_accepted"] = float(np.mean(stats["accepted"])) if stats["accepted"] else 0.0
     ordered = [results[i] for i in range(n)]
@@ -297,9 +365,11 @@ class RolloutEngine:
     take = [i for i in range(len(rows)) if 0 <= rows[i] < n and rows[i] not in results and (done[i] or final)]
     if not take:
       return
+    # Copy whole arrays and index on the host: eager device indexing with a varying number of
+    # rows would compile a new gather for every count.
     idx = np.asarray(take)
-    out, n_out, seq, feats, lengths = jax.device_get(
-        (state.out[idx], state.n_out[idx], state.seq[idx], state.feats[idx], state.cache.lengths[idx]))
+    out, n_out, seq, feats, lengths = (a[idx] for a in jax.device_get(
+        (state.out, state.n_out, state.seq, state.feats, state.cache.lengths)))
     for j, i in enumerate(take):
       length = int(lengths[j])  # committed positions (the last root is not in the cache)
       results[int(rows[i])] = (out[j, :int(n_out[j])].tolist(), seq[j, :length].copy(),
@@ -322,6 +392,15 @@ class RolloutEngine:
     if len(out) > self.config.batch_buckets[-1]:
       raise InputError(f"{len(out)} prompts exceed the largest batch bucket {self.config.batch_buckets[-1]}")
     return out
+
+
+@jax.jit
+def _take_rows(state: dec.DecodeState, idx, n_keep) -> dec.DecodeState:
+  """Rows ``idx`` of every per-row array; rows ``>= n_keep`` (padding) are marked done. Jitted
+  with a traced ``n_keep``: one compile per (old, new) bucket pair, not per running count."""
+  b = state.done.shape[0]
+  new = jax.tree.map(lambda a: a[idx] if a.ndim and a.shape[0] == b else a, state)
+  return new.replace(done=new.done | (jnp.arange(idx.shape[0]) >= n_keep))
 
 
 def _dummy_drafter_cfg(model_config):

@@ -98,3 +98,27 @@ def test_trainer_steps_with_spot_drafter_training():
   with pytest.raises(ConfigError, match="sampled rollouts"):
     grpo.GRPOTrainer(policy, RolloutEngine(policy, drafter, EngineConfig(max_prompt=8, sampling=GREEDY)),
                      tasks.TaskSampler(), grpo.GRPOConfig())
+
+
+def test_long_tail_mix_for_the_tiny_lm():
+  from jaxsys.data import synthetic
+  mix = tasks.LongTailMix(long_fraction=0.25, long_copy=(40, 50), seed=0)
+  exs = mix.sample(200)
+  long = [e for e in exs if e.task == "copy"]
+  assert 25 <= len(long) <= 75 and {e.task for e in exs} == {"copy", "arith", "recall"}
+  assert all(41 <= len(e.answer) <= 51 for e in long)  # copied tokens + EOS
+  assert max(len(e.answer) for e in exs if e.task != "copy") <= 4  # short answers
+  assert max(len(e.prompt) for e in exs) <= mix.max_prompt
+  assert max(len(e.answer) for e in exs) <= mix.max_response
+  assert synthetic.reward(long[0], list(long[0].answer)) == 1.0
+  assert tasks.LongTailMix(seed=3).sample(5) == tasks.LongTailMix(seed=3).sample(5)  # by seed
+  with pytest.raises(ConfigError, match="long_fraction"):
+    tasks.LongTailMix(long_fraction=2.0)
+
+
+def test_build_batch_pad_and_custom_reward():
+  from jaxsys.data import synthetic
+  ex = synthetic.make_example("arith", np.random.default_rng(0))
+  tok, mask = grpo.build_batch([ex], [list(ex.answer)], 16, pad=synthetic.VOCAB.pad)
+  n = len(ex.prompt) + len(ex.answer)
+  assert (tok[0, n:] == synthetic.VOCAB.pad).all() and mask[0].sum() == len(ex.answer)

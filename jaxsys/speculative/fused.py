@@ -1,0 +1,84 @@
+"""Whole decode phases as one on-device ``lax.while_loop`` (no Python between decode steps).
+
+On a small target the per-step work is sub-millisecond, so a Python loop that dispatches one
+executable per step (and reads ``done`` back every step) spends a large share of a rollout in
+dispatch and host syncs. Here a rollout is at most four executables: ``init``, ``prefill``, a
+vanilla loop over the full batch until fewer than ``min_running`` rows run, and then (after
+the engine shrinks the batch) the long-tail loop:
+
+* ``vanilla_loop``: vanilla steps while ``running >= min_running`` (``min_running=1``: to the end).
+* ``spec_loop``: drafter sync, then ``draft`` + ``verify`` rounds of one strategy until every row
+  is done, counting verify rounds and accepted tokens on device.
+
+Both loops are built from the same step functions as the per-step engine (``decode.vanilla_step``,
+``decode.draft``, ``decode.verify``), so outputs are identical; the vanilla baseline is compiled
+the same way, so a TLT-vs-vanilla comparison measures speculation, not dispatch overhead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsys.speculative import decode as dec
+from jaxsys.speculative.bandit import Strategy
+
+
+def _running(state: dec.DecodeState):
+  return (~state.done).sum()
+
+
+def vanilla_loop(model, state: dec.DecodeState, min_running, cfg: dec.DecodeConfig):
+  """Vanilla steps while at least ``min_running`` (int32 scalar, >= 1) rows run.
+
+  Returns ``(state, steps)``. Every step emits a token per running row, so ``max_new`` steps
+  bound the loop (the counter guards against a state that never finishes).
+  """
+  def cond(carry):
+    s, n = carry
+    r = _running(s)
+    return (r > 0) & (r >= min_running) & (n < cfg.max_new)
+
+  def body(carry):
+    s, n = carry
+    return dec.vanilla_step(model, s, cfg), n + 1
+
+  return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+
+
+def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig):
+  """Drafter sync, then speculative rounds until every row is done.
+
+  Returns ``(state, rounds, accepted, row_rounds)``: verify rounds, accepted draft tokens summed
+  over rows and rounds, and running rows summed over rounds (mean accepted = accepted/row_rounds).
+  """
+  state = dec.drafter_sync(model, drafter, state)
+
+  def cond(carry):
+    s, n = carry[:2]
+    return (_running(s) > 0) & (n < cfg.max_new)  # each round emits >= 1 token per running row
+
+  def body(carry):
+    s, n, acc, rows = carry
+    trees, s = dec.draft(model, drafter, s, strategy)
+    s, n_acc = dec.verify(model, s, trees, cfg)
+    live = n_acc >= 0
+    return s, n + 1, acc + jnp.where(live, n_acc, 0).sum(), rows + live.sum()
+
+  zero = jnp.int32(0)
+  return jax.lax.while_loop(cond, body, (state, zero, zero, zero))
+
+
+# ---- jitted entry points (modules split into graphdef + state; the state is donated) ----------
+
+def jit_vanilla_loop(cfg: dec.DecodeConfig):
+  def f(gdef, tstate, state, min_running):
+    return vanilla_loop(nnx.merge(gdef, tstate), state, min_running, cfg)
+  return jax.jit(f, static_argnums=0, donate_argnums=2)
+
+
+def jit_spec_loop(cfg: dec.DecodeConfig, strategy: Strategy):
+  def f(gdef, tstate, dgdef, dstate, state):
+    return spec_loop(nnx.merge(gdef, tstate), nnx.merge(dgdef, dstate), state, strategy, cfg)
+  return jax.jit(f, static_argnums=(0, 2), donate_argnums=4)

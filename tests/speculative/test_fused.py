@@ -1,0 +1,50 @@
+"""Fused (one while_loop per phase) rollouts == the per-step engine == vanilla greedy, token for token.
+
+Uses the trained setup of ``test_lossless_greedy`` (drafts partly accepted, partly rejected).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxsys.speculative.engine import RolloutEngine
+
+from .test_lossless_greedy import CHAIN, TREE, setup  # noqa: F401  (pytest fixture)
+
+
+@pytest.fixture(scope="module")
+def fused_engine(setup):  # noqa: F811
+  model, drafter, engine, _, _ = setup
+  # Four of the eight reference rows stop within 6 tokens: the long tail starts with 4 running
+  # rows (< spec_threshold=5), which the engine moves to the 4-row bucket.
+  cfg = dataclasses.replace(engine.config, fused=True, spec_threshold=5, batch_buckets=(1, 4, 8))
+  return RolloutEngine(model, drafter, cfg, pool=engine.pool)
+
+
+@pytest.mark.parametrize("strategy", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fused_speculative_equals_vanilla(setup, fused_engine, strategy, batch):  # noqa: F811
+  _, _, _, prompts, ref = setup
+  res = fused_engine.generate(prompts[:batch], force_strategy=strategy)
+  assert res.tokens == ref[:batch]
+  assert res.stats["spec_steps"] > 0 and res.stats["vanilla_steps"] == 0
+  assert res.stats["mean_accepted"] > 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_fused_phases_equal_vanilla(setup, fused_engine, speculative):  # noqa: F811
+  """Vanilla loop on the full batch, shrink, long-tail loop: same tokens and histories."""
+  _, _, engine, prompts, ref = setup
+  calls = []
+  res = fused_engine.generate(prompts, speculative=speculative, on_long_tail=lambda: calls.append(1))
+  assert res.tokens == ref
+  assert res.stats["vanilla_steps"] > 0 and res.stats["shrinks"] == 1
+  assert (res.stats["spec_steps"] > 0) == speculative == bool(calls)
+  step = engine.generate(prompts, speculative=False)
+  for a, b, fa, fb in zip(res.sequences, step.sequences, res.features, step.features):
+    # A verify round may commit accepted tokens past max_new (they are not emitted): compare
+    # the history both runs committed.
+    k = min(len(a), len(b))
+    np.testing.assert_array_equal(a[:k], b[:k])
+    np.testing.assert_allclose(fa[:k], fb[:k], atol=1e-4)
