@@ -10,7 +10,9 @@ from flax import nnx
 from jaxsys import graphs as G
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
-                                             add_virtual_node, train_node_classifier)
+                                             _sparse_attention_dropout, add_virtual_node,
+                                             laplacian_pe, train_node_classifier)
+from jaxsys.ops.graph_attention import graph_attention
 from jaxsys.nn.graph import graph_inputs
 
 
@@ -84,6 +86,10 @@ def test_dual_schedule():
     GraphTransformerConfig(8, 3, hidden=30, num_heads=4)
   with pytest.raises(ConfigError, match="attention="):
     GraphTransformerConfig(8, 3, attention="fast")
+  with pytest.raises(ConfigError, match="attn_dropout"):
+    GraphTransformerConfig(8, 3, attn_dropout=1.0)
+  with pytest.raises(ConfigError, match="lap_pe"):
+    GraphTransformerConfig(8, 3, lap_pe=8)
 
 
 def test_training_learns_and_virtual_node(ds):
@@ -105,3 +111,76 @@ def test_graph_inputs_rejects_existing_self_loops():
   g = G.make_graph(np.zeros((3, 2)), [0, 1], [0, 2])
   with pytest.raises(InputError, match="self loops"):
     graph_inputs(g)
+
+
+def test_attention_dropout_matches_op_and_is_off_in_eval(ds):
+  inputs = graph_inputs(ds.graph)
+  q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, ds.num_nodes, 2, 4))
+  ref = graph_attention(q, k, v, mode="sparse", senders=inputs.senders, receivers=inputs.receivers)
+  off = nnx.Dropout(0.5, deterministic=True, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(_sparse_attention_dropout(q, k, v, inputs, off), ref, atol=1e-5)
+  on = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+  assert not np.allclose(_sparse_attention_dropout(q, k, v, inputs, on), ref, atol=1e-3)
+
+  x = jnp.asarray(ds.features)
+  plain = _model("sparse", ffn=False, attn_residual=False)
+  dropped = _model("sparse", ffn=False, attn_residual=False, attn_dropout=0.5)
+  nnx.update(dropped, nnx.state(plain, nnx.Param))
+  np.testing.assert_allclose(dropped(x, inputs), plain(x, inputs), atol=1e-5)  # eval: no dropout
+  dropped.train()
+  a, b = dropped(x, inputs), dropped(x, inputs)
+  assert not np.allclose(a, b, atol=1e-4) and not np.allclose(a, plain(x, inputs), atol=1e-4)
+
+
+def test_dense_gate_starts_closed_and_learns(ds):
+  x, inputs = jnp.asarray(ds.features), graph_inputs(ds.graph)
+  model = _model("dual", ffn=False, dense_gate=True)
+  out = model(x, inputs, dense_step=True)
+  for layer in model.layers:
+    layer.attn.out.kernel[...] = jnp.ones_like(layer.attn.out.kernel[...])
+  np.testing.assert_allclose(model(x, inputs, dense_step=True), out, atol=1e-5)  # tanh(0) = 0
+  grads = nnx.grad(lambda m: jnp.sum(m(x, inputs, dense_step=True) ** 2))(model)
+  assert float(jnp.abs(grads["layers"][0]["gate"][...])) > 0
+  assert not np.allclose(model(x, inputs, dense_step=False), out, atol=1e-3)
+
+
+def _two_component_graph():
+  a = G.sbm_graph(40, num_classes=2, num_communities=2, avg_degree=6, num_features=4, seed=1)
+  s = np.concatenate([a.senders, a.senders + 40])
+  r = np.concatenate([a.receivers, a.receivers + 40])
+  return s, r, 81  # node 80 is isolated
+
+
+def test_laplacian_pe_is_nontrivial_eigenbasis_up_to_sign():
+  s, r, n = _two_component_graph()
+  pe = laplacian_pe(s, r, n, 6, seed=0)
+  assert pe.shape == (n, 6) and np.all(pe[80] == 0)
+  adj = np.zeros((n, n))
+  adj[r, s] = 1
+  deg = adj.sum(1)
+  inv = np.where(deg > 0, 1 / np.sqrt(np.maximum(deg, 1)), 0)
+  lap = np.eye(n) - inv[:, None] * adj * inv[None]
+  lam = np.sum(pe * (lap @ pe), 0)
+  np.testing.assert_allclose(lap @ pe, pe * lam, atol=1e-4)  # eigenvectors
+  assert np.all(lam > 1e-3)  # component indicators (eigenvalue 0) are skipped
+  np.testing.assert_allclose(pe.T @ pe, np.eye(6), atol=1e-4)
+  ref = np.sort(np.linalg.eigvalsh(lap[:80, :80]))
+  np.testing.assert_allclose(np.sort(lam), ref[2:8], atol=1e-4)  # the smallest non-zero ones
+  other = laplacian_pe(s, r, n, 6, seed=1)  # another start vector: same basis, signs may differ
+  distinct = np.abs(np.diff(np.sort(lam))).min() > 1e-3
+  if distinct:
+    np.testing.assert_allclose(np.abs(np.sum(pe * other, 0)), 1.0, atol=1e-4)
+
+
+def test_lap_pe_signs_random_in_training_only(ds):
+  pe = laplacian_pe(ds.senders, ds.receivers, ds.num_nodes, 4)
+  x = jnp.concatenate([jnp.asarray(ds.features), jnp.asarray(pe)], 1)
+  cfg = GraphTransformerConfig(12, 3, hidden=16, num_heads=2, dropout=0.0, input_dropout=0.0,
+                               lap_pe=4, attention="dense")
+  model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
+  inputs = graph_inputs(ds.graph)
+  model.eval()
+  np.testing.assert_array_equal(model(x, inputs), model(x, inputs))
+  model.train()
+  outs = [np.asarray(model(x, inputs)) for _ in range(4)]
+  assert any(not np.allclose(outs[0], o, atol=1e-5) for o in outs[1:])
