@@ -10,8 +10,9 @@ The policy maximises the clipped surrogate with a k3 KL penalty to a frozen refe
 
 ``pi_old`` log-probs are recomputed by the trainer (one forward before the updates) rather than
 trusted from the rollout engine, and the new weights are synced into the engine after each step.
-With a ``SpotTrainer`` the drafter trains on the rollout's features during the long tail and is
-swapped in between rollouts (TLT).
+With a ``SpotTrainer`` the drafter trains on the rollout's features (in the background during the
+long tail, or ``synchronous``: a fixed number of steps after the policy update, timed apart as
+``drafter_seconds``) and is swapped in between rollouts (TLT).
 
 Usage::
 
@@ -152,10 +153,11 @@ class GRPOTrainer:
     prompts = self.tasks.sample(c.prompts_per_step, self.rng)
     examples = [ex for ex in prompts for _ in range(c.group_size)]
     target = self.policy
-    hook = (lambda: self.spot.start(target)) if self.spot is not None else None
+    background = self.spot is not None and not getattr(self.spot, "synchronous", False)
+    hook = (lambda: self.spot.start(target)) if background else None
     res = self.engine.generate([list(ex.prompt) for ex in examples], seed=c.seed * 100003 + self.step_count,
                                on_long_tail=hook)
-    if self.spot is not None:
+    if background:
       state = self.spot.stop()
       if state is not None:
         self.engine.set_drafter(state)  # swap the updated drafter in between rollouts
@@ -180,11 +182,20 @@ class GRPOTrainer:
     jax.block_until_ready(self.params)
     self.engine.set_weights(self.policy)
     t2, c2 = time.perf_counter(), time.process_time()
+    if self.spot is not None and not background:
+      # Drafter updates between rollouts, on this rollout's features and the new policy's
+      # head; timed apart from the step (TLT runs them on resources the rollout leaves idle).
+      state = self.spot.train_now(self.policy)
+      if state is not None:
+        jax.block_until_ready(state)
+        self.engine.set_drafter(state)
+    t3, c3 = time.perf_counter(), time.process_time()
     self.step_count += 1
     lengths = np.array([len(t) for t in res.tokens])
     return {"step": self.step_count, "reward_mean": float(rewards.mean()),
             "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "step_seconds": t2 - t0,
             "rollout_cpu_seconds": c1 - c0, "step_cpu_seconds": c2 - c0,
+            "drafter_seconds": t3 - t2, "drafter_cpu_seconds": c3 - c2,
             "mean_accepted": res.stats["mean_accepted"], "spec_steps": res.stats["spec_steps"],
             "vanilla_steps": res.stats["vanilla_steps"], "len_mean": float(lengths.mean()),
             "len_max": int(lengths.max()), "loss": float(aux["loss"]), "kl": float(aux["kl"]),

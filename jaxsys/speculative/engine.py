@@ -120,7 +120,9 @@ class RolloutEngine:
     self.model_config = model.config
     self.drafter_config = drafter.config if drafter is not None else None
     self.dgdef, self.dstate = nnx.split(drafter) if drafter is not None else (None, None)
-    self.pool = pool or ExecutablePool(config.pool_max_entries, config.pool_max_bytes)
+    # ``is None``, not ``or``: an empty pool has len 0 (falsy), and ``or`` would silently give
+    # every engine its own pool (no sharing, every executable compiled once per engine).
+    self.pool = pool if pool is not None else ExecutablePool(config.pool_max_entries, config.pool_max_bytes)
     self.bandit = BucketedBandit(config.strategies, config.batch_buckets, epsilon=config.epsilon,
                                  seed=config.seed)
     self._abstract: dict[int, dec.DecodeState] = {}
@@ -174,8 +176,10 @@ class RolloutEngine:
     if kind == "init":
       dcf = self.drafter_config or _dummy_drafter_cfg(self.model_config)
       model = nnx.merge(self.gdef, self.tstate)
-      fn = lambda k: dec.init_state(model, dcf, jnp.zeros((b, c.max_prompt), jnp.int32), None, dcfg, k)
-      return jax.jit(fn).lower(jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
+      # Takes the int seed: an eager ``jax.random.key`` outside would be one more compile.
+      fn = lambda seed: dec.init_state(model, dcf, jnp.zeros((b, c.max_prompt), jnp.int32), None, dcfg,
+                                       jax.random.key(seed))
+      return jax.jit(fn).lower(jnp.uint32(0)).compile()
     if kind == "prefill":
       prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32)
       lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
@@ -195,23 +199,46 @@ class RolloutEngine:
     if kind == "sloop":
       return fused.jit_spec_loop(dcfg, strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate,
                                                         st).compile()
+    if kind == "pad":  # marks padding rows done (an eager ``done | mask`` would compile mid-rollout)
+      return jax.jit(_mark_padding).lower(st, jnp.int32(0)).compile()
+    if kind.startswith("take"):  # shrink from bucket ``b`` to ``new_b``: a pool entry per pair
+      new_b = int(kind[4:])
+      idx = jax.ShapeDtypeStruct((new_b,), jnp.int32)
+      return jax.jit(_take_rows).lower(st, idx, jnp.int32(0)).compile()
     raise ValueError(f"unknown executable kind {kind!r}")
 
-  def precompile(self, buckets: Sequence[int] | None = None):
-    """Compiles every executable a rollout may need, ahead of time."""
+  def _shrink_targets(self, b: int) -> list[int]:
+    """Buckets a batch of bucket ``b`` can shrink to. Fused: the long tail starts below
+    ``spec_threshold`` running rows (one shrink); per-step: any smaller bucket."""
+    smaller = [nb for nb in self.config.batch_buckets if nb < b]
+    if not self.config.fused:
+      return smaller
+    return sorted({bucket_of(r, self.config.batch_buckets) for r in range(1, max(self.config.spec_threshold, 2))
+                   if bucket_of(r, self.config.batch_buckets) < b})
+
+  def precompile(self, buckets: Sequence[int] | None = None, speculative: bool | None = None):
+    """Compiles every executable a rollout may need, ahead of time: afterwards a rollout whose
+    prompt count falls in ``buckets`` runs no compiler (``tests/speculative/test_precompile.py``).
+    ``speculative`` (default ``config.speculative``) also builds the speculative long-tail loops
+    (for engines used both ways through ``generate(speculative=...)``)."""
+    spec = self.config.speculative if speculative is None else speculative
+    tail = {bucket_of(r, self.config.batch_buckets) for r in range(1, max(self.config.spec_threshold, 2))}
     for b in buckets or self.config.batch_buckets:
       self._exe("init", b)
       self._exe("prefill", b)
+      self._exe("pad", b)
+      for nb in self._shrink_targets(b):
+        self._exe(f"take{nb}", b)
       if self.config.fused:
         self._exe("vloop", b)
-        # the long tail (1 .. spec_threshold-1 running rows) runs on these buckets
-        tail = {bucket_of(r, self.config.batch_buckets) for r in range(1, max(self.config.spec_threshold, 2))}
-        if self.config.speculative and b in tail:
+        # The long tail runs on the ``tail`` buckets (``force_strategy`` speculates on any bucket:
+        # measurements at a fixed batch warm those up themselves).
+        if spec and self.dstate is not None and b in tail:
           for s in self.config.strategies:
             self._exe("sloop", b, s)
         continue
       self._exe("vanilla", b)
-      if self.config.speculative and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
+      if spec and self.dstate is not None and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
         self._exe("sync", b)
         for s in self.config.strategies:
           self._exe("draft", b, s)
@@ -245,10 +272,10 @@ class RolloutEngine:
       toks[i, :len(a)] = a
       lens[i] = len(a)
     rows = np.arange(b)  # engine row -> prompt index (>= n: padding)
-    state = self._exe("init", b)(jax.random.key(seed))
-    done_pad = np.arange(b) >= n
-    state = self._exe("prefill", b)(self.tstate, state, jnp.asarray(toks), jnp.asarray(lens))
-    state = state.replace(done=state.done | jnp.asarray(done_pad))
+    state = self._exe("init", b)(np.uint32(seed))
+    # device_put, not jnp.asarray: the latter compiles a staging copy per new shape (mid-rollout).
+    state = self._exe("prefill", b)(self.tstate, state, jax.device_put(toks), jax.device_put(lens))
+    state = self._exe("pad", b)(state, jnp.int32(n))
     results: dict[int, tuple] = {}
     stats = {"steps": 0, "spec_steps": 0, "vanilla_steps": 0, "accepted": [], "spec_batch": [],
              "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0}
@@ -347,8 +374,8 @@ class RolloutEngine:
     self._harvest(state, rows, done, results, n)
     keep = np.flatnonzero(~done)
     pad = np.full(new_b - len(keep), np.flatnonzero(done)[0], np.int64)
-    idx = jnp.asarray(np.concatenate([keep, pad]).astype(np.int32))
-    state = _take_rows(state, idx, jnp.int32(len(keep)))
+    idx = jax.device_put(np.concatenate([keep, pad]).astype(np.int32))
+    state = self._exe(f"take{new_b}", len(rows))(state, idx, jnp.int32(len(keep)))
     return state, np.concatenate([rows[keep], np.full(len(pad), -1)])
 
   def _finish(self, state, rows, results, n, stats, t_start, arrs) -> RolloutResult:
@@ -394,10 +421,14 @@ class RolloutEngine:
     return out
 
 
-@jax.jit
+def _mark_padding(state: dec.DecodeState, n) -> dec.DecodeState:
+  """Rows ``>= n`` (bucket padding) are done from the start."""
+  return state.replace(done=state.done | (jnp.arange(state.done.shape[0]) >= n))
+
+
 def _take_rows(state: dec.DecodeState, idx, n_keep) -> dec.DecodeState:
-  """Rows ``idx`` of every per-row array; rows ``>= n_keep`` (padding) are marked done. Jitted
-  with a traced ``n_keep``: one compile per (old, new) bucket pair, not per running count."""
+  """Rows ``idx`` of every per-row array; rows ``>= n_keep`` (padding) are marked done. Compiled
+  with a traced ``n_keep``: one executable per (old, new) bucket pair, not per running count."""
   b = state.done.shape[0]
   new = jax.tree.map(lambda a: a[idx] if a.ndim and a.shape[0] == b else a, state)
   return new.replace(done=new.done | (jnp.arange(idx.shape[0]) >= n_keep))

@@ -1,5 +1,6 @@
 """Online drafter training: a buffer of target features from recent rollouts, a jitted EAGLE
-train step, a background "spot" trainer for the long-tail phase, and orbax checkpoints.
+train step, a "spot" trainer (background during the long tail, or a fixed number of steps
+between rollouts), and orbax checkpoints.
 
 TLT trains the drafter on the hidden states the rollout already produced (no extra target
 forward), using only the last few RL steps so the drafter tracks the drifting policy, and runs
@@ -115,6 +116,14 @@ class DrafterTrainer:
     self.steps_done += 1
     return m
 
+  def warm_up(self, target, buffer: DrafterBuffer):
+    """Compiles the train step (one step on a buffer sample, then the old parameters, optimizer
+    state and sample stream are restored): the first real update then runs no compiler."""
+    saved = (self.params, self.opt_state, self.steps_done, buffer.rng.bit_generator.state)
+    jax.block_until_ready(self.step(target, *buffer.sample(self.batch, self.seq_len)))
+    self.params, self.opt_state, self.steps_done = saved[:3]
+    buffer.rng.bit_generator.state = saved[3]
+
   def train(self, target, buffer: DrafterBuffer, steps: int, stop: threading.Event | None = None):
     """Runs up to ``steps`` train steps on buffer samples; returns the last metrics (floats)."""
     m = {}
@@ -126,14 +135,22 @@ class DrafterTrainer:
 
 
 class SpotTrainer:
-  """Runs drafter train steps in a background thread while the rollout is in its long tail.
+  """Drafter training on spare resources, in one of two modes.
 
-  ``start(target)`` launches training (the engine's ``on_long_tail`` hook), ``stop()`` ends it
-  at the end of the rollout and returns the drafter state to swap into the engine.
+  * background (``synchronous=False``): ``start(target)`` launches up to ``max_steps`` train
+    steps in a thread while the rollout is in its long tail (the engine's ``on_long_tail``
+    hook), ``stop()`` ends them at the end of the rollout and returns the drafter state. Right
+    where the drafter trains on otherwise idle devices.
+  * between rollouts (``synchronous=True``): ``train_now(target)`` runs exactly ``max_steps``
+    steps and returns the state. On a small CPU host there are no idle cores: a background
+    thread would race the rollout for them and blur both timings, so the caller runs this
+    outside the rollout and reports its time separately (``GRPOTrainer``: ``drafter_seconds``).
   """
 
-  def __init__(self, trainer: DrafterTrainer, buffer: DrafterBuffer, max_steps: int = 20):
+  def __init__(self, trainer: DrafterTrainer, buffer: DrafterBuffer, max_steps: int = 20,
+               synchronous: bool = False):
     self.trainer, self.buffer, self.max_steps = trainer, buffer, max_steps
+    self.synchronous = synchronous
     self._thread = None
     self._stop = threading.Event()
     self.last_metrics: dict = {}
@@ -152,6 +169,16 @@ class SpotTrainer:
     self._done_steps = 0
     self._thread = threading.Thread(target=run, daemon=True)
     self._thread.start()
+
+  def train_now(self, target):
+    """``max_steps`` train steps now (synchronous mode); returns the new drafter state, or None
+    with an empty buffer."""
+    if len(self.buffer) == 0:
+      return None
+    before = self.trainer.steps_done
+    self.last_metrics = self.trainer.train(target, self.buffer, self.max_steps) or self.last_metrics
+    self.steps_per_rollout.append(self.trainer.steps_done - before)
+    return self.trainer.state
 
   def stop(self):
     if self._thread is None:

@@ -70,14 +70,22 @@ def test_config_errors():
     grpo.GRPOConfig(group_size=3, prompts_per_step=1, minibatches=2)
 
 
-def test_trainer_steps_with_spot_drafter_training():
+@pytest.mark.parametrize("synchronous", [False, True], ids=["background", "between_rollouts"])
+def test_trainer_steps_with_spot_drafter_training(synchronous):
   policy = random_model(PCFG, 0)
   drafter = EagleDrafter(DrafterConfig.for_target(PCFG), rngs=nnx.Rngs(1))
   engine = RolloutEngine(policy, drafter, EngineConfig(
       strategies=(Strategy.chain(2),), max_new=6, max_prompt=8, batch_buckets=(8,), spec_threshold=9,
       stop_tokens=(tasks.EOS,), sampling=SamplingParams(1.0)))
   buffer = online.DrafterBuffer()
-  spot = online.SpotTrainer(online.DrafterTrainer(drafter, batch=4, seq_len=16), buffer, max_steps=2)
+  dtr = online.DrafterTrainer(drafter, batch=4, seq_len=16)
+  if synchronous:  # warm_up compiles the update and leaves parameters and sample stream as they were
+    buffer.add(-1, [np.arange(6)], [np.ones((6, PCFG.hidden_size), np.float32)], [2])
+    params, rng_state = jax.device_get(dtr.params), buffer.rng.bit_generator.state
+    dtr.warm_up(policy, buffer)
+    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(dtr.params))
+    assert dtr.steps_done == 0 and buffer.rng.bit_generator.state == rng_state
+  spot = online.SpotTrainer(dtr, buffer, max_steps=2, synchronous=synchronous)
   tr = grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0), grpo.GRPOConfig(group_size=2, prompts_per_step=4),
                         buffer=buffer, spot=spot)
   before = jax.device_get(tr.params)
@@ -91,7 +99,9 @@ def test_trainer_steps_with_spot_drafter_training():
   # weights were synced into the engine
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.state(tr.policy, nnx.Param)),
                jax.device_get(nnx.state(nnx.merge(engine.gdef, engine.tstate), nnx.Param)))
-  # the drafter trained during the long tail of the 2nd rollout and was swapped in
+  # the drafter trained (during the long tail, or 2 steps after each rollout) and was swapped in
+  if synchronous:
+    assert spot.steps_per_rollout == [2, 2] and m1["drafter_seconds"] > 0
   assert sum(spot.steps_per_rollout) > 0
   dchanged = jax.tree.map(lambda a, b: bool(np.any(a != b)), dstate_before, jax.device_get(engine.dstate))
   assert any(jax.tree.leaves(dchanged))

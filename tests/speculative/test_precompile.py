@@ -1,0 +1,65 @@
+"""After ``precompile()`` rollouts run no compiler: every batch bucket, every shrink, both loops.
+
+Compilations are counted with JAX's backend-compile monitoring event (it fires for jitted calls,
+AOT ``.compile()`` and eager ops alike), so an eager op slipping into ``generate`` fails too.
+Sampled rollouts with a stop token finish rows at varying steps, so the batch shrinks to
+different buckets from one seed to the next.
+"""
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src import dispatch  # the event name only (no public constant)
+
+from jaxsys.models import DecoderConfig
+from jaxsys.models.decoder import random_model
+from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+from jaxsys.speculative.bandit import Strategy
+from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+from jaxsys.speculative.sampling import SamplingParams
+
+CFG = DecoderConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                    num_kv_heads=2)
+
+
+@contextlib.contextmanager
+def count_compiles():
+  events = []
+
+  def listener(event, duration, **kw):
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      events.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per_step"])
+def test_precompiled_rollouts_compile_nothing(fused):
+  model = random_model(CFG, 0)
+  drafter = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
+  engine = RolloutEngine(model, drafter, EngineConfig(
+      strategies=(Strategy.chain(2), Strategy(2, 2, 3)), max_new=10, max_prompt=6,
+      batch_buckets=(1, 4, 8), spec_threshold=5, stop_tokens=(3, 4, 5),
+      sampling=SamplingParams(1.0), fused=fused))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(6, CFG.vocab_size, size=int(rng.integers(2, 6))).tolist() for _ in range(8)]
+  with count_compiles() as before:
+    engine.precompile()
+  assert before and engine.pool.compilations > 0
+  n_exe = engine.pool.compilations
+  shrinks = set()
+  with count_compiles() as events:
+    for seed in range(6):  # every bucket, both engines' modes, several shrink targets
+      for n, spec in ((8, True), (8, False), (3, True), (1, True)):
+        res = engine.generate(prompts[:n], seed=seed, speculative=spec)
+        shrinks.add((n, res.stats["shrinks"], tuple(res.stats["spec_batch"])))
+  assert engine.pool.compilations == n_exe, engine.pool.compiled_keys[n_exe:]
+  assert not events, f"{len(events)} compilations after precompile()"
+  assert len(shrinks) > 3  # the rollouts did take different paths
