@@ -38,10 +38,11 @@ THRESHOLDS = (0.02, 0.05, 0.1)
 
 def _settings(quick: bool) -> dict:
   if quick:
-    return dict(seeds=[0, 1], steps=200, dense_steps=20, sizes=[10_000, 100_000], dense_max=10_000,
+    # (a): GT dual + GCN on 2 seeds; the dense GT (~1 s/step on 2 CPU cores) is a short run.
+    return dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=10, sizes=[10_000, 100_000], dense_max=10_000,
                 train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
                 mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2)
-  return dict(seeds=list(range(10)), steps=200, dense_steps=200, sizes=[10_000, 100_000, 1_000_000],
+  return dict(seeds=list(range(10)), dense_seeds=list(range(10)), steps=200, dense_steps=200, sizes=[10_000, 100_000, 1_000_000],
               dense_max=20_000, train_nodes=1_000_000, pyg_sizes=[10_000, 100_000, 1_000_000],
               devices=[1, 2, 4, 8], mem_sizes=(4_000, 16_000), budget_gib=2.0, iters=3)
 
@@ -49,30 +50,33 @@ def _settings(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- (a) Cora
 
 def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
-  """GT hyperparameters follow GAT's Cora recipe (chosen on validation accuracy, 2 seeds)."""
+  """GT hyperparameters follow GAT's Cora recipe; choices made on validation accuracy only."""
   from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
                                                laplacian_pe, train_node_classifier)
   ds = G.load_planetoid("cora", row_normalize=True)
-  inputs = graph_inputs(ds.graph)
+  inputs = graph_inputs(ds.graph)  # adds one self loop per node, as GAT/GCN use
   x = jnp.asarray(ds.features)
-  pe = jnp.asarray(laplacian_pe(ds.senders, ds.receivers, ds.num_nodes, 16))
-  # GAT-shaped topology layers: 8 heads x 8, ELU, no FFN/residual, dropout 0.6 on inputs,
-  # hidden and attention coefficients, plus coupled L2 5e-4 (train_node_classifier's l2).
+  # A true GAT stack (embed=False): raw features -> 8 heads x 8 (ELU) -> 1 head -> 7 classes, no
+  # embedding/LayerNorm/FFN/residual; dropout 0.6 on each layer's input and on the attention
+  # coefficients, coupled L2 5e-4, Adam lr 5e-3, 200 steps. The earlier embedding+LayerNorm
+  # variant of the same layers peaked ~2 points lower on validation, and 500 steps did not help it.
   gat = dict(num_features=ds.num_features, out_dim=ds.num_classes, hidden=64, num_heads=8,
              num_layers=2, dropout=0.6, input_dropout=0.6, attn_dropout=0.6, ffn=False,
-             attn_residual=False, degree_encoding=False)
-  # Dense steps every 8th step behind a zero-initialised gate: ungated every-4th dense steps
-  # wrecked training (~24%), and each dense step costs ~10 topology steps on CPU.
-  dual = GraphTransformerConfig(attention="dual", dense_every_steps=8, dense_gate=True, **gat)
+             degree_encoding=False, embed=False)
+  # Dense steps (every 16th step) add tanh(g) * global attention to the topology attention of
+  # each layer, g learned from 0: every 8th step gave the same validation accuracy at twice the
+  # dense cost (a dense step is ~10 topology steps on CPU).
+  dual = GraphTransformerConfig(attention="dual", dense_every_steps=16, dense_gate=True, **gat)
   dense = GraphTransformerConfig(num_features=ds.num_features + 16, out_dim=ds.num_classes,
                                  hidden=64, num_heads=4, num_layers=2, dropout=0.5,
                                  input_dropout=0.6, lap_pe=16, degree_encoding=True,
                                  attention="dense")
+  pe = jnp.asarray(laplacian_pe(ds.senders, ds.receivers, ds.num_nodes, 16))
   models = {"gcn": None, "gt_dual": dual, "gt_dense": dense}
-  acc, step_ms = {}, {}
+  acc, val, step_ms, gates = {}, {}, {}, []
   for name, cfg in models.items():
-    accs, times = [], []
-    for seed in s["seeds"]:
+    accs, vals, times = [], [], []
+    for seed in s["dense_seeds"] if name == "gt_dense" else s["seeds"]:
       kw = dict(steps=s["steps"], lr=5e-3, l2=5e-4, weight_decay=0.0)
       inp = x
       if cfg is None:
@@ -81,27 +85,37 @@ def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
       else:
         model = GraphTransformer(cfg, rngs=nnx.Rngs(seed))
         kw["dense_schedule"] = cfg.is_dense_step
-      if name == "gt_dense":  # ~1 s per step on 2 CPU cores; quick mode trains it briefly
+      if name == "gt_dense":
         inp, kw["steps"] = jnp.concatenate([x, pe], 1), s["dense_steps"]
       res = train_node_classifier(model, inp, inputs, ds, **kw)
       accs.append(100 * res["test_at_best_val"])
+      vals.append(100 * res["best_val"])
       times.append(res["step_ms"])
-    acc[name], step_ms[name] = accs, float(np.median(times))
+      if name == "gt_dual":
+        gates.append([float(jnp.tanh(layer.gate[...])) for layer in model.layers])
+    acc[name], val[name], step_ms[name] = accs, vals, float(np.median(times))
   mean = {k: float(np.mean(v)) for k, v in acc.items()}
   std = {k: float(np.std(v)) for k, v in acc.items()}
+  vmean = {k: float(np.mean(v)) for k, v in val.items()}
+  gmax = float(np.max(np.abs(gates)))
+  nd, short = len(s["dense_seeds"]), s["dense_steps"] < s["steps"]
   rows = [
       Row(f"Cora test acc (%) GT dual-interleaved vs GCN, {len(s['seeds'])} seeds", "% (ratio=ours-baseline points)",
           ours=mean["gt_dual"], baseline=mean["gcn"], baseline_name="GCN",
           ratio=mean["gt_dual"] - mean["gcn"], goal=">= -1",
-          note=f"GT {mean['gt_dual']:.1f}+-{std['gt_dual']:.1f}, GCN {mean['gcn']:.1f}+-{std['gcn']:.1f}"),
-      Row("Cora test acc (%) GT dense attention vs GCN", "% (ratio=ours-baseline points)",
+          note=f"GT {mean['gt_dual']:.1f}+-{std['gt_dual']:.1f} (val {vmean['gt_dual']:.1f}), "
+               f"GCN {mean['gcn']:.1f}+-{std['gcn']:.1f} (val {vmean['gcn']:.1f}); "
+               f"dense gate |tanh(g)| <= {gmax:.3f} after training"),
+      Row(f"Cora test acc (%) GT dense attention vs GCN, {nd} seed(s)", "% (ratio=ours-baseline points)",
           ours=mean["gt_dense"], baseline=mean["gcn"], baseline_name="GCN",
           ratio=mean["gt_dense"] - mean["gcn"],
-          note=f"dense GT {mean['gt_dense']:.1f}+-{std['gt_dense']:.1f}"),
+          note=f"dense GT {mean['gt_dense']:.1f}+-{std['gt_dense']:.1f} (val {vmean['gt_dense']:.1f})"
+               + (f"; SHORT RUN: {s['dense_steps']} of {s['steps']} steps, not comparable" if short else "")),
       Row("Cora train step GT dual vs dense GT", "ms", ours=step_ms["gt_dual"],
           baseline=step_ms["gt_dense"], baseline_name="dense-attention GT"),
   ]
-  return rows, {"cora_acc": acc, "cora_step_ms": step_ms}
+  return rows, {"cora_acc": acc, "cora_best_val": val, "cora_step_ms": step_ms,
+                "cora_dense_gate_tanh": gates}
 
 
 # ----------------------------------------------------------------------------- (b) scaling

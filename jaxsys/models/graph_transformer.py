@@ -15,10 +15,16 @@ Regularisation / encodings (all off by default):
 * ``attn_dropout``: dropout on the topology-attention coefficients (GAT's recipe; training only,
   ``topology="sparse"`` only -- the tiled paths never materialise per-edge coefficients).
 * ``ffn=False``: drop the FFN sub-layer and apply ELU after attention (a GAT-shaped layer).
-* ``dense_gate``: a dense-attention layer computes ``h + tanh(g) * Attn(LN(h))`` with a learned
+* ``dense_gate``: (``embed=True``) a dense-attention layer computes ``h + tanh(g) * Attn(LN(h))`` with a learned
   per-layer ``g`` starting at 0, so interleaved dense steps start as (and can stay) a mild
   perturbation of the topology model instead of a different network: without it, dense steps
   drove the GAT-shaped dual GT on Cora to ~24% test accuracy.
+* ``embed=False``: a true GAT stack (``_GATLayer``) -- no embedding, LayerNorm, FFN or head; the
+  first layer projects raw features to ``num_heads x hidden/num_heads`` (concatenated, ELU), the
+  last to ``out_heads`` heads of ``out_dim`` (averaged) = logits; dropout on every layer's input.
+  Its gated dense steps add ``tanh(g) *`` global attention to the topology attention (shared
+  q/k/v), so with ``g = 0`` a dense step equals a topology step. On Cora (Planetoid) this stack
+  reached higher validation accuracy than the embedding + LayerNorm variant of the same layers.
 * ``lap_pe=k``: the last ``k`` columns of ``x`` are Laplacian eigenvector positional encodings
   (``laplacian_pe``); each eigenvector's sign is flipped at random in training (eigenvectors are
   only defined up to sign). Dense attention cannot see the graph without such an encoding.
@@ -44,7 +50,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs
-from jaxsys.ops.graph_attention import segment_softmax
+from jaxsys.ops.graph_attention import graph_attention, segment_softmax
 
 ATTENTION = ("sparse", "dense", "dual")
 TOPOLOGY = ("sparse", "reformed", "block")
@@ -68,6 +74,8 @@ class GraphTransformerConfig:
   dense_gate: bool = False  # dense layers add tanh(g) * Attn to their input, g learned from 0
   lap_pe: int = 0  # last lap_pe columns of x are Laplacian eigenvectors (laplacian_pe)
   attn_residual: bool = True  # False: h = Attn(LN(h)) (GAT-like; helps tiny-label graphs like Cora)
+  embed: bool = True  # False: true GAT stack, no embedding / LayerNorm / head (see _GATLayer)
+  out_heads: int = 1  # embed=False: heads of the output layer, averaged (GAT)
   task: str = "node"
   attention: str = "dual"  # "sparse" | "dense" | "dual"
   topology: str = "sparse"  # how topology attention runs: "sparse" | "reformed" | "block"
@@ -92,6 +100,10 @@ class GraphTransformerConfig:
       raise ConfigError(f"attention={self.attention!r} must be one of {ATTENTION}")
     if self.topology not in TOPOLOGY:
       raise ConfigError(f"topology={self.topology!r} must be one of {TOPOLOGY}")
+    if not self.embed and (self.lap_pe or self.degree_encoding or self.ffn or self.task != "node"
+                           or self.num_layers < 2 or self.out_heads < 1):
+      raise ConfigError("embed=False (GAT stack) needs lap_pe=0, degree_encoding=False, "
+                        "ffn=False, task='node', num_layers >= 2 and out_heads >= 1")
     if self.dense_every_layers < 0 or self.dense_every_steps < 0:
       raise ConfigError(f"dense_every_layers={self.dense_every_layers} and "
                         f"dense_every_steps={self.dense_every_steps} must be >= 0")
@@ -148,12 +160,61 @@ class EncoderLayer(nnx.Module):
     return h + self.drop(self.ff2(self.drop(jax.nn.gelu(self.ff1(self.norm2(h))))))
 
 
+class _GATLayer(nnx.Module):
+  """GAT-style layer (``embed=False``): ``z = W h`` (``in_dim -> heads x head_dim``), values
+  ``v = z``, heads concatenated (+ ELU) or, as the output layer, averaged; no out projection,
+  LayerNorm or residual. Scores are scaled dot products of ``q, k = Linear(z)`` (not GAT's
+  additive score) so that the same projections serve dense steps; only ``W`` touches the raw
+  features, so a step costs about one GAT step. A dense step with ``dense_gate`` computes
+  ``topo + tanh(g) * dense`` from shared q/k/v: with ``g = 0`` it is exactly a topology step.
+  """
+
+  def __init__(self, in_dim: int, heads: int, head_dim: int, cfg: GraphTransformerConfig, *,
+               last: bool, rngs: nnx.Rngs):
+    self.heads, self.head_dim, self.last, self.impl = heads, head_dim, last, cfg.impl
+    self.proj = nnx.Linear(in_dim, heads * head_dim, rngs=rngs)  # GAT's W; values are W h
+    self.qk = nnx.Linear(heads * head_dim, 2 * heads * head_dim, rngs=rngs)  # small: inner -> q, k
+    self.attn_drop = nnx.Dropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
+    self.gate = nnx.Param(jnp.zeros(())) if cfg.dense_gate else None
+
+  def _topology(self, q, k, v, inputs: GraphInputs, mode: str):
+    drop = self.attn_drop
+    if mode == "sparse" and drop is not None and not drop.deterministic:
+      return _sparse_attention_dropout(q, k, v, inputs, drop)
+    if mode == "sparse":
+      return graph_attention(q, k, v, mode="sparse", senders=inputs.senders,
+                             receivers=inputs.receivers, impl=self.impl, indices_are_sorted=True)
+    return graph_attention(q, k, v, mode=mode, tiles=inputs.tiles, senders=inputs.rest_senders,
+                           receivers=inputs.rest_receivers, impl=self.impl, indices_are_sorted=True)
+
+  def __call__(self, h, inputs: GraphInputs, mode: str, topology: str, attention_fn=None):
+    n = h.shape[0]
+    z = self.proj(h)
+    qk = self.qk(z).reshape(n, 2, self.heads, self.head_dim)
+    q, k, v = qk[:, 0], qk[:, 1], z.reshape(n, self.heads, self.head_dim)
+    attend = attention_fn or (lambda q, k, v, m: graph_attention(
+        q, k, v, mode="dense", segment_ids=inputs.graph_ids, node_mask=inputs.node_mask,
+        impl=self.impl) if m == "dense" else self._topology(q, k, v, inputs, m))
+    if mode == "dense" and self.gate is not None:
+      o = attend(q, k, v, topology) + jnp.tanh(self.gate[...]) * attend(q, k, v, "dense")
+    else:
+      o = attend(q, k, v, mode)
+    return jnp.mean(o, 1) if self.last else jax.nn.elu(o.reshape(n, -1))
+
+
 class GraphTransformer(nnx.Module):
   """GT encoder for node classification (``[N, out_dim]``) or graph regression (``[G, out_dim]``)."""
 
   def __init__(self, cfg: GraphTransformerConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.in_drop = nnx.Dropout(cfg.input_dropout, rngs=rngs)
+    if not cfg.embed:  # GAT: dropout(input) -> layer -> ... -> dropout -> output layer
+      hd, dims = cfg.hidden // cfg.num_heads, [cfg.num_features] + [cfg.hidden] * (cfg.num_layers - 1)
+      self.layers = nnx.List([
+          _GATLayer(d, cfg.num_heads, hd, cfg, last=False, rngs=rngs) for d in dims[:-1]]
+          + [_GATLayer(dims[-1], cfg.out_heads, cfg.out_dim, cfg, last=True, rngs=rngs)])
+      self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+      return
     self.embed = nnx.Linear(cfg.num_features - cfg.lap_pe, cfg.hidden, rngs=rngs)
     if cfg.lap_pe:
       self.pe = nnx.Linear(cfg.lap_pe, cfg.hidden, rngs=rngs)
@@ -165,6 +226,11 @@ class GraphTransformer(nnx.Module):
 
   def __call__(self, x, inputs: GraphInputs, *, dense_step: bool = False, attention_fn=None):
     """``dense_step`` must be a Python bool (it selects the compiled program)."""
+    if not self.cfg.embed:
+      h = self.in_drop(x)
+      for i, (layer, mode) in enumerate(zip(self.layers, self.cfg.layer_modes(dense_step))):
+        h = layer(self.drop(h) if i else h, inputs, mode, self.cfg.topology, attention_fn)
+      return h
     k = self.cfg.lap_pe
     if k:
       x, pe = x[:, :-k], x[:, -k:]
@@ -310,4 +376,4 @@ def train_node_classifier(model, x, inputs: GraphInputs, ds: NodeDataset, *, ste
   best = int(np.argmax(acc[:, 0]))  # first step with the best val accuracy
   return {"best_val": float(acc[best, 0]), "test_at_best_val": float(acc[best, 1]),
           "best_step": best, "losses": np.asarray(losses).tolist(), "step_ms": step_ms,
-          "val_curve": acc[evals, 0].tolist()}
+          "val_curve": acc[evals, 0].tolist(), "test_curve": acc[evals, 1].tolist()}

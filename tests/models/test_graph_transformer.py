@@ -184,3 +184,62 @@ def test_lap_pe_signs_random_in_training_only(ds):
   model.train()
   outs = [np.asarray(model(x, inputs)) for _ in range(4)]
   assert any(not np.allclose(outs[0], o, atol=1e-5) for o in outs[1:])
+
+
+def _gat(**kw):
+  cfg = GraphTransformerConfig(8, 3, hidden=16, num_heads=4, dropout=0.0, input_dropout=0.0,
+                               ffn=False, degree_encoding=False, embed=False, **kw)
+  m = GraphTransformer(cfg, rngs=nnx.Rngs(0))
+  m.eval()
+  return m
+
+
+def test_gat_stack_matches_reference_and_trains(ds):
+  x, inputs = jnp.asarray(ds.features), graph_inputs(ds.graph)
+  model = _gat(attention="sparse", out_heads=2)
+  assert not hasattr(model, "embed") and not hasattr(model, "norm") and not hasattr(model, "head")
+  assert model.layers[0].proj.kernel[...].shape == (8, 16)  # raw features -> 4 heads x 4
+
+  def ref_layer(layer, h, heads, dim):
+    z = layer.proj(h)
+    qk = layer.qk(z).reshape(-1, 2, heads, dim)
+    o = graph_attention(qk[:, 0], qk[:, 1], z.reshape(-1, heads, dim), mode="sparse",
+                        senders=inputs.senders, receivers=inputs.receivers)
+    return o
+
+  h = jax.nn.elu(ref_layer(model.layers[0], x, 4, 4).reshape(ds.num_nodes, -1))
+  ref = jnp.mean(ref_layer(model.layers[1], h, 2, 3), 1)  # 2 output heads of 3 classes, averaged
+  out = model(x, inputs)
+  assert out.shape == (ds.num_nodes, 3)
+  np.testing.assert_allclose(out, ref, atol=1e-5)
+
+  cfg = GraphTransformerConfig(8, 3, hidden=16, num_heads=4, dropout=0.3, input_dropout=0.3,
+                               attn_dropout=0.3, ffn=False, degree_encoding=False, embed=False,
+                               attention="sparse")
+  res = train_node_classifier(GraphTransformer(cfg, rngs=nnx.Rngs(0)), x, inputs, ds, steps=30,
+                              lr=1e-2, eval_every=10)
+  assert res["losses"][-1] < 0.6 * res["losses"][0]
+  assert len(res["test_curve"]) == len(res["val_curve"]) == 3
+
+
+def test_gat_dense_gate_starts_as_topology_step(ds):
+  x, inputs = jnp.asarray(ds.features), graph_inputs(ds.graph)
+  model = _gat(attention="dual", dense_gate=True)
+  topo = model(x, inputs, dense_step=False)
+  np.testing.assert_allclose(model(x, inputs, dense_step=True), topo, atol=1e-5)  # tanh(0) = 0
+  grads = nnx.grad(lambda m: jnp.sum(m(x, inputs, dense_step=True) ** 2))(model)
+  assert all(float(jnp.abs(g["gate"][...])) > 0 for g in grads["layers"].values())
+  for layer in model.layers:
+    layer.gate[...] = jnp.asarray(0.5)
+  assert not np.allclose(model(x, inputs, dense_step=True), topo, atol=1e-3)
+  np.testing.assert_allclose(model(x, inputs, dense_step=False), topo, atol=1e-5)
+  ungated = _gat(attention="dual")  # no gate: a dense step is global attention alone
+  assert not np.allclose(ungated(x, inputs, dense_step=True), ungated(x, inputs), atol=1e-3)
+
+
+def test_gat_stack_config_errors():
+  base = dict(ffn=False, degree_encoding=False, embed=False)
+  for bad in (dict(lap_pe=2), dict(degree_encoding=True), dict(ffn=True), dict(task="graph"),
+              dict(num_layers=1), dict(out_heads=0)):
+    with pytest.raises(ConfigError, match="embed=False"):
+      GraphTransformerConfig(8, 3, **{**base, **bad})
