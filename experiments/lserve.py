@@ -211,6 +211,9 @@ def engine_rows(quick: bool) -> list[Row]:
               "weights and MLP included (ideal counts attention bytes only)")]
 
 
+STREAMING_FRACTIONS = (0.5, 0.25)
+
+
 def passkey_data(n: int, length: int, seed: int, task: str = "passkey"):
   """Retrieval examples and the distillation data ``(tokens, answer_mask)`` for gate learning."""
   from jaxsys.data import synthetic
@@ -275,30 +278,36 @@ def accuracy_rows(quick: bool, out) -> list[Row]:
   n = 32 if quick else 128
   exs, _ = passkey_data(n, ctx, seed=7, task=task)
   _, train = passkey_data(16 if quick else 64, min(ctx, 512), seed=11, task=task)
-  gates = identify_streaming_heads(model, train, sink=sink, window=window, sparsity=0.5,
-                                   steps=30 if quick else 100, batch_size=4)
-  (out / "gates.json").write_text(json.dumps({"alpha": gates.alpha, "streaming": gates.streaming}))
+  # DuoAttention's streaming fraction is model dependent: the speed benchmark uses 50 %; a model
+  # with 12 kv heads has few redundant heads, so 25 % is measured too (both reported)
+  gates = {sp: identify_streaming_heads(model, train, sink=sink, window=window, sparsity=sp,
+                                        steps=30 if quick else 100, batch_size=4)
+           for sp in STREAMING_FRACTIONS}
+  (out / "gates.json").write_text(json.dumps({str(sp): {"alpha": g.alpha, "streaming": g.streaming}
+                                              for sp, g in gates.items()}))
   base = dict(page_size=page, logical_page_size=lps, sink=sink, window=window)
   full_budget = -(-(ctx + 16) // page) * page
   dense = _accuracy(model, exs, lserve.LServeConfig(dense=True, token_budget=full_budget, **base), None)
   rows = [Row(f"{task} accuracy @{ctx} dense", "%", ours=dense,
               note=f"{n} examples, tiny model; {why}")]
-  stream = _accuracy(model, exs, lserve.LServeConfig(token_budget=full_budget, **base), gates.streaming)
-  rows.append(Row(f"{task} accuracy @{ctx} streaming-only (50% heads, sink {sink}, window {window})", "%",
-                  ours=stream, baseline=dense, baseline_name="dense", ratio=stream - dense,
-                  note="ratio = points vs dense; gates " + json.dumps(gates.streaming)))
-  print(f"  accuracy dense {dense:.1f}%, streaming-only {stream:.1f}%", flush=True)
+  for sp, g in gates.items():
+    stream = _accuracy(model, exs, lserve.LServeConfig(token_budget=full_budget, **base), g.streaming)
+    rows.append(Row(f"{task} accuracy @{ctx} streaming-only ({sp:.0%} heads, sink {sink}, window {window})",
+                    "%", ours=stream, baseline=dense, baseline_name="dense", ratio=stream - dense,
+                    note="ratio = points vs dense; gates " + json.dumps(g.streaming)))
+    print(f"  accuracy dense {dense:.1f}%, streaming-only {sp:.0%}: {stream:.1f}%", flush=True)
   fractions = (4,) if quick else (16, 8, 4)
   for frac in fractions:
     budget = max(page, ctx // frac // page * page)
-    for name, ls, flags in (
-        ("page-selection-only", lserve.LServeConfig(token_budget=budget, **base), None),
-        ("page-selection-only, flat 16-token pages",
-         lserve.LServeConfig(token_budget=budget, **{**base, "logical_page_size": page}), None),
-        ("LServe", lserve.LServeConfig(token_budget=budget, **base), gates.streaming)):
+    runs = [("page-selection-only", lserve.LServeConfig(token_budget=budget, **base), None),
+            ("page-selection-only, flat 16-token pages",
+             lserve.LServeConfig(token_budget=budget, **{**base, "logical_page_size": page}), None)]
+    runs += [(f"LServe ({sp:.0%} streaming heads)", lserve.LServeConfig(token_budget=budget, **base),
+              g.streaming) for sp, g in gates.items()]
+    for name, ls, flags in runs:
       acc = _accuracy(model, exs, ls, flags)
       # The goal (within 2 points of dense) only means something where dense is accurate.
-      goal = ">= -2" if (name == "LServe" and frac == 4 and dense >= 50.0) else None
+      goal = ">= -2" if (name.startswith("LServe") and frac == 4 and dense >= 50.0) else None
       rows.append(Row(f"{task} accuracy @{ctx} {name}, budget {budget} (1/{frac})", "%", ours=acc,
                       baseline=dense, baseline_name="dense", ratio=acc - dense, goal=goal,
                       note=f"ratio = points vs dense; {page}-token pages, {ls.logical_page_size}-token "
