@@ -166,8 +166,6 @@ class RolloutEngine:
       key = (kind, b)
     # Shared pools: executables also depend on the static decode config and module structures.
     key = key + self._key_suffix
-    if key in self.pool:
-      return self.pool.get(key, None)
     return self.pool.get(key, lambda: self._build(kind, b, strategy))
 
   def _build(self, kind: str, b: int, strategy: Strategy | None):
@@ -207,14 +205,17 @@ class RolloutEngine:
       return jax.jit(_take_rows).lower(st, idx, jnp.int32(0)).compile()
     raise ValueError(f"unknown executable kind {kind!r}")
 
+  def _tail_buckets(self) -> set[int]:
+    """Buckets a fused long tail can run on: it starts below ``spec_threshold`` running rows."""
+    c = self.config
+    return {bucket_of(r, c.batch_buckets) for r in range(1, max(c.spec_threshold, 2))}
+
   def _shrink_targets(self, b: int) -> list[int]:
-    """Buckets a batch of bucket ``b`` can shrink to. Fused: the long tail starts below
-    ``spec_threshold`` running rows (one shrink); per-step: any smaller bucket."""
-    smaller = [nb for nb in self.config.batch_buckets if nb < b]
+    """Buckets a batch of bucket ``b`` can shrink to. Fused: one shrink, into a long-tail
+    bucket; per-step: any smaller bucket."""
     if not self.config.fused:
-      return smaller
-    return sorted({bucket_of(r, self.config.batch_buckets) for r in range(1, max(self.config.spec_threshold, 2))
-                   if bucket_of(r, self.config.batch_buckets) < b})
+      return [nb for nb in self.config.batch_buckets if nb < b]
+    return sorted(nb for nb in self._tail_buckets() if nb < b)
 
   def precompile(self, buckets: Sequence[int] | None = None, speculative: bool | None = None):
     """Compiles every executable a rollout may need, ahead of time: afterwards a rollout whose
@@ -222,7 +223,7 @@ class RolloutEngine:
     ``speculative`` (default ``config.speculative``) also builds the speculative long-tail loops
     (for engines used both ways through ``generate(speculative=...)``)."""
     spec = self.config.speculative if speculative is None else speculative
-    tail = {bucket_of(r, self.config.batch_buckets) for r in range(1, max(self.config.spec_threshold, 2))}
+    tail = self._tail_buckets()
     for b in buckets or self.config.batch_buckets:
       self._exe("init", b)
       self._exe("prefill", b)
