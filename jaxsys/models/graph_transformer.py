@@ -49,8 +49,8 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
-from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs
-from jaxsys.ops.graph_attention import graph_attention, segment_softmax
+from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
+from jaxsys.ops.graph_attention import segment_softmax
 
 ATTENTION = ("sparse", "dense", "dual")
 TOPOLOGY = ("sparse", "reformed", "block")
@@ -177,28 +177,22 @@ class _GATLayer(nnx.Module):
     self.attn_drop = nnx.Dropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
     self.gate = nnx.Param(jnp.zeros(())) if cfg.dense_gate else None
 
-  def _topology(self, q, k, v, inputs: GraphInputs, mode: str):
+  def _attend(self, q, k, v, inputs: GraphInputs, mode: str):
     drop = self.attn_drop
     if mode == "sparse" and drop is not None and not drop.deterministic:
       return _sparse_attention_dropout(q, k, v, inputs, drop)
-    if mode == "sparse":
-      return graph_attention(q, k, v, mode="sparse", senders=inputs.senders,
-                             receivers=inputs.receivers, impl=self.impl, indices_are_sorted=True)
-    return graph_attention(q, k, v, mode=mode, tiles=inputs.tiles, senders=inputs.rest_senders,
-                           receivers=inputs.rest_receivers, impl=self.impl, indices_are_sorted=True)
+    return attend(q, k, v, inputs, mode, impl=self.impl)
 
   def __call__(self, h, inputs: GraphInputs, mode: str, topology: str, attention_fn=None):
     n = h.shape[0]
     z = self.proj(h)
     qk = self.qk(z).reshape(n, 2, self.heads, self.head_dim)
     q, k, v = qk[:, 0], qk[:, 1], z.reshape(n, self.heads, self.head_dim)
-    attend = attention_fn or (lambda q, k, v, m: graph_attention(
-        q, k, v, mode="dense", segment_ids=inputs.graph_ids, node_mask=inputs.node_mask,
-        impl=self.impl) if m == "dense" else self._topology(q, k, v, inputs, m))
+    run = attention_fn or (lambda q, k, v, m: self._attend(q, k, v, inputs, m))
     if mode == "dense" and self.gate is not None:
-      o = attend(q, k, v, topology) + jnp.tanh(self.gate[...]) * attend(q, k, v, "dense")
+      o = run(q, k, v, topology) + jnp.tanh(self.gate[...]) * run(q, k, v, "dense")
     else:
-      o = attend(q, k, v, mode)
+      o = run(q, k, v, mode)
     return jnp.mean(o, 1) if self.last else jax.nn.elu(o.reshape(n, -1))
 
 

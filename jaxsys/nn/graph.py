@@ -79,6 +79,22 @@ def graph_inputs(graph: jraph.GraphsTuple, *, self_loops: bool = True,
                      jnp.asarray(graph_ids), jnp.asarray(n_node, jnp.int32), tiles, rest_s, rest_r)
 
 
+def attend(q, k, v, inputs: GraphInputs, mode: str, *, impl: str = "auto"):
+  """``q, k, v [nodes, heads, dim]`` attended over the graph in ``inputs`` by ``mode``:
+  "sparse" (the edges), "dense" (all nodes of the same graph), "reformed" / "block" (dense tiles
+  + leftover edges)."""
+  if mode == "sparse":
+    return graph_attention(q, k, v, mode="sparse", senders=inputs.senders, receivers=inputs.receivers,
+                           impl=impl, indices_are_sorted=True)
+  if mode == "dense":
+    return graph_attention(q, k, v, mode="dense", segment_ids=inputs.graph_ids,
+                           node_mask=inputs.node_mask, impl=impl)
+  if mode in ("reformed", "block"):
+    return graph_attention(q, k, v, mode=mode, tiles=inputs.tiles, senders=inputs.rest_senders,
+                           receivers=inputs.rest_receivers, impl=impl, indices_are_sorted=True)
+  raise ConfigError(f"{mode=} must be 'sparse', 'reformed', 'block' or 'dense'")
+
+
 class GraphAttention(nnx.Module):
   """Multi-head attention over a graph: q/k/v projections, ``graph_attention``, output projection.
 
@@ -104,17 +120,8 @@ class GraphAttention(nnx.Module):
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     if attention_fn is not None:  # e.g. a graph-parallel program
       o = attention_fn(q, k, v, mode)
-    elif mode == "sparse":
-      o = graph_attention(q, k, v, mode="sparse", senders=inputs.senders, receivers=inputs.receivers,
-                          impl=self.impl, indices_are_sorted=True)
-    elif mode == "dense":
-      o = graph_attention(q, k, v, mode="dense", segment_ids=inputs.graph_ids,
-                          node_mask=inputs.node_mask, impl=self.impl)
-    elif mode in ("reformed", "block"):
-      o = graph_attention(q, k, v, mode=mode, tiles=inputs.tiles, senders=inputs.rest_senders,
-                          receivers=inputs.rest_receivers, impl=self.impl, indices_are_sorted=True)
     else:
-      raise ConfigError(f"{mode=} must be 'sparse', 'reformed', 'block' or 'dense'")
+      o = attend(q, k, v, inputs, mode, impl=self.impl)
     return self.out(o.reshape(n, -1))
 
 
