@@ -125,7 +125,11 @@ def _copy(rng, length, v, n=None):
   # a range (lo, hi) varies the copy distance per example, so the only solution is content-based
   # (induction heads); a fixed n lets a model copy from a fixed relative position instead
   if isinstance(n, (tuple, list)):
-    n = int(rng.integers(n[0], min(n[1], (length - 4) // 2) + 1))
+    hi = min(n[1], (length - 4) // 2)
+    if not 1 <= n[0] <= hi:
+      raise ConfigError(f"copy n={tuple(n)} needs 1 <= low <= min(high, (length - 4) // 2 = "
+                        f"{(length - 4) // 2}) for {length=}")
+    n = int(rng.integers(n[0], hi + 1))
   n = n or max(1, (length - 4) // 2)
   xs = (v.value0 + rng.integers(0, v.num_values, n)).tolist()
   return Example("copy", (v.bos, v.copy, *xs, v.sep), (*xs, v.eos))

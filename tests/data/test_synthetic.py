@@ -79,3 +79,5 @@ def test_copy_length_range_varies_the_copy_distance():
   assert len(lengths) > 10 and min(lengths) >= 4 and max(lengths) <= (96 - 4) // 2
   for e in exs:
     assert list(e.answer[:-1]) == list(e.prompt[2:-1])  # the answer repeats the sequence
+  with pytest.raises(ConfigError, match="copy n"):
+    S.examples("copy", seed=0, count=1, length=20, n=(10, 50))  # low above (20 - 4) // 2
