@@ -5,7 +5,8 @@
 (b) attention forward+backward time vs node count (synthetic SBM, 10 edges/node, 4 heads x 16)
     for dense (jaxsys.ops.attention), sparse (edges) and reformed (METIS reorder + ECR with the
     auto-tuned threshold), and the fraction of edges in dense tiles before/after reordering;
-    plus a GT training run at the largest size.
+    plus a GT training run at the largest size; and reformed vs sparse as clusters get denser
+    (SBM communities of 32, 64, 128 nodes at the same degree).
 (c) PyG TransformerConv (torch-geometric, CPU) vs our GraphAttention layer, same graphs/dims,
     forward+backward (skipped with a note if torch_geometric is not importable).
 (d) largest node count trainable per device vs devices (1, 2, 4, 8 simulated), from XLA's
@@ -34,6 +35,7 @@ NAME = "torchgt"
 HEADS, HEAD_DIM = 4, 16
 BLOCK = 64
 THRESHOLDS = (0.02, 0.05, 0.1)
+PARTS = ("cora_accuracy", "scaling", "community_sweep", "train_large", "pyg_comparison", "memory_scaling")
 
 
 def _settings(quick: bool) -> dict:
@@ -41,10 +43,12 @@ def _settings(quick: bool) -> dict:
     # (a): GT dual + GCN on 2 seeds; the dense GT (~1 s/step on 2 CPU cores) is a short run.
     return dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=10, sizes=[10_000, 100_000], dense_max=10_000,
                 train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
-                mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2)
+                mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2, sweep_nodes=10_000,
+                communities=(32, 64, 128))
   return dict(seeds=list(range(10)), dense_seeds=list(range(10)), steps=200, dense_steps=200, sizes=[10_000, 100_000, 1_000_000],
               dense_max=20_000, train_nodes=1_000_000, pyg_sizes=[10_000, 100_000, 1_000_000],
-              devices=[1, 2, 4, 8], mem_sizes=(4_000, 16_000), budget_gib=2.0, iters=3)
+              devices=[1, 2, 4, 8], mem_sizes=(4_000, 16_000), budget_gib=2.0, iters=3,
+              sweep_nodes=100_000, communities=(32, 64, 128))
 
 
 # ----------------------------------------------------------------------------- (a) Cora
@@ -141,10 +145,11 @@ def _dense_fn():
   return _grad_fn(lambda q, k, v: GA.dense_graph_attention(q, k, v, impl="xla"))
 
 
-def prepare(n: int, seed: int = 0):
-  """SBM graph, its METIS-reordered copy, edges with self loops (host)."""
-  ds = G.sbm_graph(n, avg_degree=10, seed=seed)
-  ds_r, _ = G.cluster_reorder(ds, max(2, n // 128), seed=seed)
+def prepare(n: int, seed: int = 0, community: int = 128):
+  """SBM graph (communities of ~``community`` nodes), its METIS-reordered copy (one part per
+  ``community`` nodes), edges with self loops (host)."""
+  ds = G.sbm_graph(n, avg_degree=10, num_communities=max(8, n // community), seed=seed)
+  ds_r, _ = G.cluster_reorder(ds, max(2, n // community), seed=seed)
   s, r = G.add_self_loops(ds_r.senders, ds_r.receivers, n)
   return ds, ds_r, s, r
 
@@ -200,6 +205,29 @@ def scaling(s: dict) -> tuple[list[Row], dict]:
                     "fraction", ours=after, baseline=before, baseline_name="original node order",
                     note=f"{rg.num_tiles} tiles of {BLOCK}x{BLOCK}"))
   return rows, curves
+
+
+def community_sweep(s: dict) -> tuple[list[Row], dict]:
+  """Reformed vs sparse as the graph's clusters get denser (communities of 32..128 nodes, same
+  10 edges/node): ECR pays off only when reordered tiles are dense enough for a masked matmul to
+  beat per-edge gathers."""
+  n = s["sweep_nodes"]
+  rows, out = [], {"community": [], "sparse": [], "reformed": [], "frac_after": [], "threshold": []}
+  sparse = _sparse_fn()
+  q, k, v = _qkv(n)
+  for c in s["communities"]:
+    _, _, se, re = prepare(n, community=c)
+    t_sparse = time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms
+    tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, s["iters"])
+    t_ref = time_fn(fn, q, k, v, *args, iters=s["iters"]).ms
+    for key, val in (("community", c), ("sparse", t_sparse), ("reformed", t_ref),
+                     ("frac_after", rg.dense_edge_fraction), ("threshold", tune.threshold)):
+      out[key].append(val)
+    rows.append(Row(f"attention fwd+bwd @{n // 1000}K, communities of {c} nodes: reformed vs sparse", "ms",
+                    ours=t_ref, baseline=t_sparse, baseline_name="sparse (edge) attention",
+                    note=f"{rg.dense_edge_fraction:.2f} of edges in {rg.num_tiles} dense tiles "
+                         f"(threshold {tune.threshold}); intra-community density ~{8 / c:.3f}"))
+  return rows, out
 
 
 def train_large(s: dict) -> tuple[list[Row], dict]:
@@ -347,12 +375,12 @@ def memory_scaling(s: dict) -> tuple[list[Row], dict]:
 
 # ----------------------------------------------------------------------------- plots + run
 
-def _plots(out_dir, curves, pyg, mem):
+def _plots(out_dir, curves, pyg, mem, sweep):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   d = run_dir(NAME, out_dir)
-  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+  fig, ax = plt.subplots(1, 3, figsize=(16, 4))
   for key, label in (("dense", "dense"), ("sparse", "sparse (edges)"), ("reformed", "reformed (METIS+ECR)")):
     xs = [n for n, t in zip(curves["n"], curves[key]) if t is not None]
     ys = [t for t in curves[key] if t is not None]
@@ -370,15 +398,38 @@ def _plots(out_dir, curves, pyg, mem):
     ax[1].set_xlabel("devices")
     ax[1].set_ylabel("largest trainable nodes")
     ax[1].set_title("graph parallelism: capacity vs devices")
+  if sweep.get("community"):
+    dens = [8 / c for c in sweep["community"]]
+    ax[2].plot(dens, [a / b for a, b in zip(sweep["sparse"], sweep["reformed"])], "o-",
+               label="reformed speedup vs sparse")
+    ax[2].plot(dens, sweep["frac_after"], "s--", label="edges in dense tiles")
+    ax[2].axhline(1.0, color="gray", lw=0.5)
+    ax[2].set_xlabel("intra-community edge density")
+    ax[2].set_title("ECR vs cluster density")
+    ax[2].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(d / "torchgt.png", dpi=110)
   plt.close(fig)
 
 
-def run(quick: bool, out_dir: str):
+def run(quick: bool, out_dir: str, parts=None):
+  """``parts``: names from ``PARTS`` to run alone (written as ``torchgt_<parts>``, no plots)."""
   s = _settings(quick)
   rows, extra = [], {}
-  for part in (cora_accuracy, scaling, train_large, pyg_comparison, memory_scaling):
+  funcs = (cora_accuracy, scaling, community_sweep, train_large, pyg_comparison, memory_scaling)
+  if parts:
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+      raise ValueError(f"parts={sorted(unknown)} must be among {PARTS}")
+    name = "_".join([NAME, *parts])
+    for f in funcs:
+      if f.__name__ in parts:
+        r, e = f(s)
+        rows += r
+        extra[f.__name__] = e
+        write_result(name, rows, config=dict(s), quick=quick, out_dir=out_dir, extra={"details": extra})
+    return rows
+  for part in funcs:
     t0 = time.perf_counter()
     r, e = part(s)
     rows += r
@@ -386,7 +437,7 @@ def run(quick: bool, out_dir: str):
     extra[part.__name__ + "_seconds"] = time.perf_counter() - t0
     write_result(NAME, rows, config=dict(s), quick=quick, out_dir=out_dir,
                  extra={"details": extra, "partial": True})  # survives an interrupted run
-  _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"])
+  _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"], extra["community_sweep"])
   write_result(NAME, rows, config={k: v for k, v in s.items()}, quick=quick, out_dir=out_dir,
                extra={"details": extra})
   return rows

@@ -97,11 +97,21 @@ def _scale(scale, d):
 
 # ----------------------------------------------------------------------------- sparse (edges)
 
+def _head_dot(a, b):
+  """Per-head dot products ``[E, H, D] x [E, H, D] -> [E, H]`` (float32).
+
+  Written as the elementwise product times a ``[H*D, H]`` block indicator: XLA:CPU lowers
+  ``sum(a * b, -1)`` over gathered rows to a scalar loop (~8x slower at 100K edges), while the
+  matmul form runs vectorised. Exact up to float32 summation order.
+  """
+  e, h, d = a.shape
+  ind = jnp.asarray(np.repeat(np.eye(h, dtype=np.float32), d, axis=0))  # [H*D, H]
+  prod = (a.astype(jnp.float32) * b.astype(jnp.float32)).reshape(e, h * d)
+  return jnp.dot(prod, ind, precision=jax.lax.Precision.HIGHEST)
+
+
 def _edge_logits(q, k, senders, receivers, scale):
-  # [edges, heads]: q_r . k_s (the gathers fuse into the reduction)
-  qe = q[receivers].astype(jnp.float32)
-  ke = k[senders].astype(jnp.float32)
-  return jnp.sum(qe * ke, axis=-1) * scale
+  return _head_dot(q[receivers], k[senders]) * scale  # [edges, heads]: q_r . k_s
 
 
 def _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_):
@@ -138,9 +148,9 @@ def _sparse_bwd(scale, sorted_, res, cts):
   s = _edge_logits(q, k, senders, receivers, scale)
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   p = jnp.exp(s - lse_safe[receivers])  # [E, H]
-  delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [N, H]
+  delta = _head_dot(dout, out)  # [N, H]
   dout_e = dout[receivers]  # [E, H, D]
-  dp = jnp.sum(dout_e * v[senders].astype(jnp.float32), axis=-1)  # [E, H]
+  dp = _head_dot(dout_e, v[senders])  # [E, H]
   ds = p * (dp - delta[receivers] + dlse[receivers]) * scale  # [E, H]
   dv = jax.ops.segment_sum(p[..., None] * dout_e, senders, nk)
   dq = jax.ops.segment_sum(ds[..., None] * k[senders].astype(jnp.float32), receivers, n,

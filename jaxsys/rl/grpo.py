@@ -10,6 +10,9 @@ The policy maximises the clipped surrogate with a k3 KL penalty to a frozen refe
 
 ``pi_old`` log-probs are recomputed by the trainer (one forward before the updates) rather than
 trusted from the rollout engine, and the new weights are synced into the engine after each step.
+Minibatches are length-grouped (``GRPOConfig.length_bucket``): with a long tail most responses
+are short, so the update costs what the tokens cost, not batch x the longest response;
+``precompile()`` compiles every minibatch width before the first step.
 With a ``SpotTrainer`` the drafter trains on the rollout's features (in the background during the
 long tail, or ``synchronous``: a fixed number of steps after the policy update, timed apart as
 ``drafter_seconds``) and is swapped in between rollouts (TLT).
@@ -17,6 +20,7 @@ long tail, or ``synchronous``: a fixed number of steps after the policy update, 
 Usage::
 
   trainer = GRPOTrainer(policy, engine, TaskSampler(seed=0), GRPOConfig(group_size=4))
+  trainer.precompile()              # optional: no compilation inside the timed steps
   for _ in range(10):
     metrics = trainer.step()        # reward_mean, rollout_seconds, train_seconds, ...
 """
@@ -45,6 +49,12 @@ class GRPOConfig:
   kl_coef: float = 0.02
   lr: float = 3e-4
   minibatches: int = 2
+  # Length-grouped minibatches: responses sorted by length, each minibatch cut to its longest
+  # sequence rounded up to a multiple of ``length_bucket`` (0: every batch at the engine's full
+  # prompt + response length). Exact for a causal model (padding is masked and never attended
+  # by earlier positions); with a long tail, most minibatches are short, so the update's cost
+  # follows the total token count rather than batch x longest response.
+  length_bucket: int = 32
   seed: int = 0
 
   def __post_init__(self):
@@ -56,6 +66,8 @@ class GRPOConfig:
       raise ConfigError(f"clip_eps={self.clip_eps} must be in (0, 1)")
     if self.kl_coef < 0 or self.lr <= 0:
       raise ConfigError(f"kl_coef={self.kl_coef} must be >= 0 and lr={self.lr} > 0")
+    if self.length_bucket < 0:
+      raise ConfigError(f"length_bucket={self.length_bucket} must be >= 0 (0 disables length grouping)")
     n = self.group_size * self.prompts_per_step
     if self.minibatches < 1 or n % self.minibatches:
       raise ConfigError(f"minibatches={self.minibatches} must divide group_size*prompts_per_step={n}")
@@ -147,6 +159,41 @@ class GRPOTrainer:
     updates, opt_state = self.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
 
+  def _width(self, longest: int) -> int:
+    b = self.config.length_bucket
+    return self.seq_len if b == 0 else min(self.seq_len, -(-int(longest) // b) * b)
+
+  def _minibatches(self, lengths):
+    """``(row indices, padded width)`` per minibatch: random rows, or length-sorted rows (ties
+    broken at random) in a random minibatch order when ``length_bucket > 0``."""
+    c = self.config
+    n = len(lengths)
+    mb = n // c.minibatches
+    perm = self.rng.permutation(n)
+    if c.length_bucket:
+      perm = perm[np.argsort(lengths[perm], kind="stable")]
+    chunks = [perm[k * mb:(k + 1) * mb] for k in self.rng.permutation(c.minibatches)]
+    return [(idx, self._width(lengths[idx].max())) for idx in chunks]
+
+  def _logps(self, tokens):
+    """Old-policy and reference log-probs of one minibatch (recomputed by the trainer)."""
+    return (self._logp(self.gdef, self.params, self.rest, tokens),
+            self._logp(self.gdef, self.ref_params, self.rest, tokens))
+
+  def precompile(self) -> int:
+    """Compile the update for every minibatch width before the first step (outputs discarded,
+    state unchanged); returns the number of widths."""
+    c = self.config
+    mb = c.group_size * c.prompts_per_step // c.minibatches
+    widths = sorted({self._width(w) for w in range(1, self.seq_len + 1)})
+    for w in widths:
+      tokens = jnp.zeros((mb, w), jnp.int32)
+      old_logp, ref_logp = self._logps(tokens)
+      out = self._update(self.gdef, self.params, self.rest, self.opt_state, tokens,
+                         jnp.zeros((mb, w - 1)), jnp.zeros((mb,)), old_logp, ref_logp)
+      jax.block_until_ready(out)
+    return len(widths)
+
   def step(self) -> dict:
     c = self.config
     t0, c0 = time.perf_counter(), time.process_time()
@@ -167,18 +214,15 @@ class GRPOTrainer:
     rewards = np.array([self.reward_fn(ex, r) for ex, r in zip(examples, res.tokens)], np.float32)
     adv = group_advantages(rewards.reshape(c.prompts_per_step, c.group_size)).reshape(-1)
     tokens, mask = build_batch(examples, res.tokens, self.seq_len, self.pad_id)
-    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-    old_logp = self._logp(self.gdef, self.params, self.rest, tokens)  # recomputed by the trainer
-    ref_logp = self._logp(self.gdef, self.ref_params, self.rest, tokens)
-    n = len(examples)
-    mb = n // c.minibatches
-    perm = self.rng.permutation(n)
+    seq_lengths = np.array([len(ex.prompt) + len(r) for ex, r in zip(examples, res.tokens)])
+    batches = []
+    for idx, width in self._minibatches(seq_lengths):  # pi_old is the rollout policy: all before any update
+      mb_tokens, mb_mask = jnp.asarray(tokens[idx, :width]), jnp.asarray(mask[idx, :width - 1])
+      batches.append((mb_tokens, mb_mask, adv[jnp.asarray(idx)], *self._logps(mb_tokens)))
+    train_tokens = sum(int(np.prod(bt[0].shape)) for bt in batches)  # incl. padding to the width
     aux = {}
-    for k in range(c.minibatches):
-      idx = jnp.asarray(perm[k * mb:(k + 1) * mb])
-      self.params, self.opt_state, aux = self._update(self.gdef, self.params, self.rest, self.opt_state,
-                                                      tokens[idx], mask[idx], adv[idx], old_logp[idx],
-                                                      ref_logp[idx])
+    for batch in batches:
+      self.params, self.opt_state, aux = self._update(self.gdef, self.params, self.rest, self.opt_state, *batch)
     jax.block_until_ready(self.params)
     self.engine.set_weights(self.policy)
     t2, c2 = time.perf_counter(), time.process_time()
@@ -198,5 +242,5 @@ class GRPOTrainer:
             "drafter_seconds": t3 - t2, "drafter_cpu_seconds": c3 - c2,
             "mean_accepted": res.stats["mean_accepted"], "spec_steps": res.stats["spec_steps"],
             "vanilla_steps": res.stats["vanilla_steps"], "len_mean": float(lengths.mean()),
-            "len_max": int(lengths.max()), "loss": float(aux["loss"]), "kl": float(aux["kl"]),
+            "len_max": int(lengths.max()), "train_tokens": train_tokens, "loss": float(aux["loss"]), "kl": float(aux["kl"]),
             "clip_frac": float(aux["clip_frac"]), "responses": res.tokens}

@@ -62,6 +62,9 @@ def layer_tree_forward(layer, x, positions, k_cache, v_cache, *, vis, prefix_len
   return h + layer.mlp(layer.mlp_norm(h)), k_cache, v_cache
 
 
+UNROLL_MAX_LAYERS = 8
+
+
 def stack_layers(model):
   """``(layer_graphdef, stacked_state)``: the blocks' states stacked on a leading axis so that
   the target runs as one ``lax.scan`` (one compiled block instead of ``num_layers`` copies)."""
@@ -84,8 +87,11 @@ def target_tree_forward(model, cache, tokens, positions, vis, start=None):
   start = cache.lengths if start is None else start
   impl = model.config.attention_impl
   kw = dict(vis=vis, prefix_len=start, write_start=start, impl=impl)
-  gdef, stacked = stack_layers(model)
-  if gdef is None:  # heterogeneous blocks: unrolled
+  # A scan over stacked blocks compiles one block, but stacking the per-layer caches copies the
+  # whole KV cache in and out on every call, which dominates a decode step of a small model;
+  # shallow targets are unrolled instead.
+  gdef, stacked = (None, None) if len(model.layers) <= UNROLL_MAX_LAYERS else stack_layers(model)
+  if gdef is None:  # shallow, or heterogeneous blocks: unrolled
     ks, vs = [], []
     for i, layer in enumerate(model.layers):
       x, kc, vc = layer_tree_forward(layer, x, positions, cache.k[i], cache.v[i], **kw)

@@ -11,15 +11,19 @@ import jax.numpy as jnp
 from jaxsys.ops.attention.common import AttentionArgs, visible_mask
 
 
-def attention_reference(args: AttentionArgs):
-  """Returns ``(out [b, q, h, d] in q.dtype, lse [b, h, q] float32)``."""
+def attention_reference(args: AttentionArgs, precision=jax.lax.Precision.HIGHEST):
+  """Returns ``(out [b, q, h, d] in q.dtype, lse [b, h, q] float32)``.
+
+  ``precision`` of the two einsums: HIGHEST for the oracle; the XLA backend reuses this formula
+  at DEFAULT for problems of a single tile (see ``xla.blockwise_attention``).
+  """
   q, k, v = args.q, args.k, args.v
   b, tq, h, d = q.shape
   hk = k.shape[2]
   g = h // hk
   qf = q.astype(jnp.float32).reshape(b, tq, hk, g, d)  # [batch, q, kv_heads, group, dim]
   kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-  s = jnp.einsum("bqkgd,bskd->bkgqs", qf, kf, precision=jax.lax.Precision.HIGHEST) * args.scale
+  s = jnp.einsum("bqkgd,bskd->bkgqs", qf, kf, precision=precision) * args.scale
   s = s.reshape(b, h, tq, k.shape[1])  # [batch, heads, q, kv]
   vis = visible_mask(args, jnp.arange(tq), jnp.arange(k.shape[1]))  # [b or 1, h or 1, q, kv]
   s = jnp.where(vis, s, -jnp.inf)
@@ -30,5 +34,5 @@ def attention_reference(args: AttentionArgs):
   lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m_safe, -jnp.inf)[..., 0]
   p = p / jnp.where(l > 0, l, 1.0)  # fully masked rows: p == 0 -> output 0
   p = p.reshape(b, hk, g, tq, k.shape[1])
-  out = jnp.einsum("bkgqs,bskd->bqkgd", p, vf, precision=jax.lax.Precision.HIGHEST)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", p, vf, precision=precision)
   return out.reshape(b, tq, h, v.shape[-1]).astype(q.dtype), lse

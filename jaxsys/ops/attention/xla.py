@@ -62,6 +62,9 @@ class BlockSizes:
     return min(self.block_q, _round_up(q_len, 8)), min(self.block_k, _round_up(kv_len, 8))
 
 
+SINGLE_TILE_MAX_Q = 16  # queries up to which a one-key-tile call skips the blockwise loop
+
+
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
@@ -99,6 +102,12 @@ def blockwise_attention(args: AttentionArgs, block_sizes: BlockSizes | None = No
   b, tq, h, d = q.shape
   tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   bq, bk = block_sizes.for_lengths(tq, tk)
+  if tq <= SINGLE_TILE_MAX_Q and tk <= bk:
+    # Decode / tree verification: a few queries over one key tile. The online-softmax loop and
+    # its custom backward buy nothing for a single tile; the plain formula (autodiff backward)
+    # is the same math without the loop and per-visit masking overhead.
+    from jaxsys.ops.attention import reference
+    return reference.attention_reference(args, precision=lax.Precision.DEFAULT)
   lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
                                   block_k=bk, q_offset=args.static_offset)
   idx, cls, cnt = lay.tables
