@@ -212,13 +212,14 @@ class GRPOTrainer:
     if self.buffer is not None:
       self.buffer.add(self.step_count, res.sequences, res.features, res.prompt_lengths)
     rewards = np.array([self.reward_fn(ex, r) for ex, r in zip(examples, res.tokens)], np.float32)
-    adv = group_advantages(rewards.reshape(c.prompts_per_step, c.group_size)).reshape(-1)
+    adv = np.asarray(group_advantages(rewards.reshape(c.prompts_per_step, c.group_size))).reshape(-1)
     tokens, mask = build_batch(examples, res.tokens, self.seq_len, self.pad_id)
     seq_lengths = np.array([len(ex.prompt) + len(r) for ex, r in zip(examples, res.tokens)])
     batches = []
     for idx, width in self._minibatches(seq_lengths):  # pi_old is the rollout policy: all before any update
-      mb_tokens, mb_mask = jnp.asarray(tokens[idx, :width]), jnp.asarray(mask[idx, :width - 1])
-      batches.append((mb_tokens, mb_mask, adv[jnp.asarray(idx)], *self._logps(mb_tokens)))
+      # device_put, not jnp.asarray: the latter compiles a staging copy per new width.
+      mb_tokens, mb_mask = jax.device_put(tokens[idx, :width]), jax.device_put(mask[idx, :width - 1])
+      batches.append((mb_tokens, mb_mask, jax.device_put(adv[idx]), *self._logps(mb_tokens)))
     train_tokens = sum(int(np.prod(bt[0].shape)) for bt in batches)  # incl. padding to the width
     aux = {}
     for batch in batches:
