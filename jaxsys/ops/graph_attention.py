@@ -377,6 +377,9 @@ def reformed_graph_attention(q, k, v, tiles: GraphTiles, senders, receivers, *, 
   """ECR attention: dense tiles + leftover edges, merged exactly (log-sum-exp rule)."""
   tile_impl = impl
   edge_impl = "auto" if impl in ("pallas", "pallas_interpret", "attention_op") else impl
+  if tiles[0].shape[0] == 0:  # no tile met the threshold: exactly the edge kernel, no merge
+    return sparse_graph_attention(q, k, v, senders, receivers, scale=scale, impl=edge_impl,
+                                  return_lse=return_lse, indices_are_sorted=indices_are_sorted)
   a = tile_graph_attention(q, k, v, tiles, scale=scale, impl=tile_impl, return_lse=True, chunk=chunk)
   b = sparse_graph_attention(q, k, v, senders, receivers, scale=scale, impl=edge_impl,
                              return_lse=True, indices_are_sorted=indices_are_sorted)

@@ -42,8 +42,13 @@ def _paths(n, senders, receivers, block=16, threshold=0.05):
   assert exact_all.senders.size == 0
   rg = G.reform(senders, receivers, n, G.ReformConfig(block, threshold))
   assert 0 < rg.dense_edge_fraction < 1
+  no_tiles = G.reform(senders, receivers, n, G.ReformConfig(block, 1.01))  # nothing dense enough
+  assert no_tiles.num_tiles == 0 and no_tiles.senders.size == senders.size
   tiles_all, tiles = GA.GraphTiles.from_reformed(exact_all), GA.GraphTiles.from_reformed(rg)
   return {
+      "reformed_no_tiles": lambda q, k, v: GA.reformed_graph_attention(
+          q, k, v, GA.GraphTiles.from_reformed(no_tiles), no_tiles.senders, no_tiles.receivers,
+          return_lse=True, indices_are_sorted=True),
       "sparse": lambda q, k, v: GA.sparse_graph_attention(q, k, v, senders, receivers, return_lse=True),
       "block": lambda q, k, v: GA.tile_graph_attention(q, k, v, tiles_all, return_lse=True, chunk=5),
       "block_attention_op": lambda q, k, v: GA.tile_graph_attention(q, k, v, tiles_all, impl="attention_op", return_lse=True),
