@@ -144,7 +144,9 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   # ---- 2 + 3) GRPO: TLT (online drafter) vs vanilla, same seeds; frozen-drafter acceptance --
   def make_trainer(speculative: bool):
     pol_copy = nnx.merge(*nnx.split(policy))
-    eng = RolloutEngine(pol_copy, drafter0, EngineConfig(**base, speculative=speculative), pool=pool)
+    # TLT's engine adapts: its bandit may also run the long tail without drafting (vanilla_arm).
+    eng = RolloutEngine(pol_copy, drafter0, EngineConfig(**base, speculative=speculative, vanilla_arm=speculative),
+                        pool=pool)
     tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=7, **mix)
     # The online buffer holds the latest online_buffer rollouts, seeded with the last warm-up
     # ones: a GRPO step has only ~5 long responses, and training on 2 steps' worth alone

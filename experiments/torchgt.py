@@ -34,7 +34,8 @@ from jaxsys.ops import graph_attention as GA  # noqa: E402
 NAME = "torchgt"
 HEADS, HEAD_DIM = 4, 16
 BLOCK = 64
-THRESHOLDS = (0.02, 0.05, 0.1)
+NO_TILES = 2.0  # a density threshold no tile reaches: ECR off, the edge kernel alone
+THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off where tiles don't pay
 PARTS = ("cora_accuracy", "scaling", "community_sweep", "train_large", "pyg_comparison", "memory_scaling")
 
 

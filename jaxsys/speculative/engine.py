@@ -8,7 +8,9 @@ latency bound and verification of many draft tokens is almost free). TLT's engin
   ``spec_threshold`` (and off again only above ``spec_threshold + hysteresis``);
 * shrinks the batch to the smallest power-of-two bucket holding the running rows;
 * lets a ``BucketedBandit`` pick the strategy (depth, topk, verify_tokens) per batch bucket,
-  rewarded by ``accepted tokens x batch / step time`` (tokens per second);
+  rewarded by ``accepted tokens x batch / step time`` (tokens per second); with
+  ``vanilla_arm=True`` plain decoding is one more arm, so the tail is not speculated where no
+  strategy beats it (e.g. a small model on a CPU, where a round costs several vanilla steps);
 * runs only ahead-of-time compiled executables from an ``ExecutablePool`` keyed by
   ``(step, strategy or verify_tokens, batch bucket)`` plus the static decode config (so engines
   can share one pool); verification is shared by every strategy with the same ``verify_tokens``.
@@ -60,6 +62,9 @@ class EngineConfig:
   # the full batch until fewer than spec_threshold rows run, then one shrink and the long tail
   # (speculative with one bandit-chosen strategy, or vanilla). No Python between decode steps.
   fused: bool = False
+  # vanilla_arm=True: the bandit also has a "no speculation" arm (index len(strategies)), so the
+  # long tail falls back to plain decoding on hardware/batch sizes where no strategy pays off.
+  vanilla_arm: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "strategies", tuple(self.strategies))
@@ -123,8 +128,8 @@ class RolloutEngine:
     # ``is None``, not ``or``: an empty pool has len 0 (falsy), and ``or`` would silently give
     # every engine its own pool (no sharing, every executable compiled once per engine).
     self.pool = pool if pool is not None else ExecutablePool(config.pool_max_entries, config.pool_max_bytes)
-    self.bandit = BucketedBandit(config.strategies, config.batch_buckets, epsilon=config.epsilon,
-                                 seed=config.seed)
+    arms = config.strategies + ((None,) if config.vanilla_arm else ())
+    self.bandit = BucketedBandit(arms, config.batch_buckets, epsilon=config.epsilon, seed=config.seed)
     self._abstract: dict[int, dec.DecodeState] = {}
     # Hashing a GraphDef walks the whole module: do it once, not on every step.
     self._key_suffix = (self.dcfg, hash(self.gdef), hash(self.dgdef))
@@ -305,19 +310,32 @@ class RolloutEngine:
         spec_on, synced = want_spec, False
       b = len(rows)
       t0 = time.perf_counter()
+      arm = None
+      if spec_on and force_strategy is None:
+        arm = self.bandit.select(running)
+        if arm == len(c.strategies):  # the vanilla arm: one plain step, rewarded in tokens/s
+          state = self._exe("vanilla", b)(self.tstate, state)
+          state.done.block_until_ready()
+          synced = False  # the drafter cache misses this step's entry
+          dt = time.perf_counter() - t0
+          self.bandit.update(running, arm, running / dt)
+          stats["vanilla_steps"] += 1
+          stats["vanilla_seconds"] += dt
+          stats["strategy"].append("vanilla")
+          continue
       if spec_on:
         if not synced:
           state = self._exe("sync", b)(self.tstate, self.dstate, state)
           synced = True
-        strategy = force_strategy if force_strategy is not None else c.strategies[self.bandit.select(running)]
+        strategy = force_strategy if arm is None else c.strategies[arm]
         trees, state = self._exe("draft", b, strategy)(self.tstate, self.dstate, state)
         state, n_acc = self._exe("verify", b, strategy)(self.tstate, state, trees)
         n_acc = np.asarray(n_acc)
         dt = time.perf_counter() - t0
         acc = n_acc[n_acc >= 0]
         tokens = float((acc + 1).sum())
-        if force_strategy is None:
-          self.bandit.update(running, c.strategies.index(strategy), tokens / dt)
+        if arm is not None:
+          self.bandit.update(running, arm, tokens / dt)
         stats["spec_steps"] += 1
         stats["spec_seconds"] += dt
         stats["accepted"].append(float(acc.mean()) if len(acc) else 0.0)
@@ -356,6 +374,15 @@ class RolloutEngine:
     if on_long_tail is not None:
       on_long_tail()
     arm = None if force_strategy is not None else self.bandit.select(running)
+    if arm == len(c.strategies):  # the vanilla arm: the tail without drafting, rewarded in tokens/s
+      n0 = int(np.asarray(state.n_out).sum())
+      state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(1))
+      stats["vanilla_steps"] += int(steps)
+      dt = time.perf_counter() - t0
+      stats["vanilla_seconds"] += dt
+      stats["strategy"].append("vanilla")
+      self.bandit.update(running, arm, (int(np.asarray(state.n_out).sum()) - n0) / dt)
+      return state, rows
     strategy = force_strategy if arm is None else c.strategies[arm]
     state, rounds, acc, row_rounds = self._exe("sloop", len(rows), strategy)(
         self.tstate, self.dstate, state)

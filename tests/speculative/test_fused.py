@@ -48,3 +48,20 @@ def test_fused_phases_equal_vanilla(setup, fused_engine, speculative):  # noqa: 
     k = min(len(a), len(b))
     np.testing.assert_array_equal(a[:k], b[:k])
     np.testing.assert_allclose(fa[:k], fb[:k], atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per_step"])
+def test_vanilla_arm_is_explored_and_lossless(setup, fused):  # noqa: F811
+  """With ``vanilla_arm`` the bandit may decode the long tail without drafting; outputs unchanged."""
+  model, drafter, engine, prompts, ref = setup
+  cfg = dataclasses.replace(engine.config, fused=fused, spec_threshold=5, batch_buckets=(1, 4, 8),
+                            vanilla_arm=True, epsilon=0.0)
+  eng = RolloutEngine(model, drafter, cfg, pool=engine.pool)
+  n_arms = len(cfg.strategies) + 1
+  strategies = []
+  for _ in range(n_arms):  # every arm is tried once per bucket before exploitation
+    res = eng.generate(prompts)
+    assert res.tokens == ref
+    strategies += res.stats["strategy"]
+  assert "vanilla" in strategies and set(strategies) - {"vanilla"}
+  assert eng.bandit.pulls[(4, n_arms - 1)] >= 1  # the vanilla arm, in the 4-row tail bucket
