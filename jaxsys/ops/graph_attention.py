@@ -110,8 +110,47 @@ def _head_dot(a, b):
   return jnp.dot(prod, ind, precision=jax.lax.Precision.HIGHEST)
 
 
+EDGE_CHUNK = 1 << 15  # edges per chunk of the gathered edge ops (a [chunk, H*D] f32 block: 8 MiB at H*D=64)
+
+
+def _gathered_head_dot(x, ix, y, iy):
+  """``_head_dot(x[ix], y[iy])`` in chunks of ``EDGE_CHUNK`` edges: the gathered operands and
+  their product never exist for all edges at once (at 10M edges they would be ~3 GB each, and
+  writing them costs more than the arithmetic)."""
+  e = ix.shape[0]
+  if e <= EDGE_CHUNK:
+    return _head_dot(x[ix], y[iy])
+  nc = -(-e // EDGE_CHUNK)
+  pad = nc * EDGE_CHUNK - e
+  ixc, iyc = (jnp.pad(i, (0, pad)).reshape(nc, EDGE_CHUNK) for i in (ix, iy))
+  out = jax.lax.map(lambda c: _head_dot(x[c[0]], y[c[1]]), (ixc, iyc))  # [nc, chunk, H]
+  return out.reshape(nc * EDGE_CHUNK, -1)[:e]
+
+
+def _gathered_segment_sum(w, x, ix, seg, num_segments, sorted_):
+  """``segment_sum(w[..., None] * x[ix], seg)`` (``w [E, H]``, ``x [*, H, D]``) in chunks of
+  ``EDGE_CHUNK`` edges accumulated into one ``[num_segments, H, D]`` buffer, for the same reason
+  as ``_gathered_head_dot``."""
+  e = ix.shape[0]
+  if e <= EDGE_CHUNK:
+    return jax.ops.segment_sum(w[..., None] * x[ix].astype(jnp.float32), seg, num_segments,
+                               indices_are_sorted=sorted_)
+  nc = -(-e // EDGE_CHUNK)
+  pad = nc * EDGE_CHUNK - e
+  # Padding edges carry weight 0 (their index 0 is harmless).
+  wc = jnp.pad(w, ((0, pad), (0, 0))).reshape(nc, EDGE_CHUNK, -1)
+  ixc, segc = (jnp.pad(i, (0, pad)).reshape(nc, EDGE_CHUNK) for i in (ix, seg))
+
+  def body(acc, c):
+    wi, ii, si = c
+    return acc + jax.ops.segment_sum(wi[..., None] * x[ii].astype(jnp.float32), si, num_segments), None
+
+  acc0 = jnp.zeros((num_segments,) + x.shape[1:], jnp.float32)
+  return jax.lax.scan(body, acc0, (wc, ixc, segc))[0]
+
+
 def _edge_logits(q, k, senders, receivers, scale):
-  return _head_dot(q[receivers], k[senders]) * scale  # [edges, heads]: q_r . k_s
+  return _gathered_head_dot(q, receivers, k, senders) * scale  # [edges, heads]: q_r . k_s
 
 
 def _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_):
@@ -121,8 +160,7 @@ def _sparse_fwd_impl(q, k, v, senders, receivers, scale, sorted_):
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m[receivers])  # [E, H]
   l = jax.ops.segment_sum(p, receivers, n, indices_are_sorted=sorted_)  # [N, H]
-  o = jax.ops.segment_sum(p[..., None] * v[senders].astype(jnp.float32), receivers, n,
-                          indices_are_sorted=sorted_)  # [N, H, D]
+  o = _gathered_segment_sum(p, v, senders, receivers, n, sorted_)  # [N, H, D]
   safe_l = jnp.where(l > 0, l, 1.0)
   out = o / safe_l[..., None]
   lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
@@ -149,13 +187,11 @@ def _sparse_bwd(scale, sorted_, res, cts):
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   p = jnp.exp(s - lse_safe[receivers])  # [E, H]
   delta = _head_dot(dout, out)  # [N, H]
-  dout_e = dout[receivers]  # [E, H, D]
-  dp = _head_dot(dout_e, v[senders])  # [E, H]
+  dp = _gathered_head_dot(dout, receivers, v, senders)  # [E, H]
   ds = p * (dp - delta[receivers] + dlse[receivers]) * scale  # [E, H]
-  dv = jax.ops.segment_sum(p[..., None] * dout_e, senders, nk)
-  dq = jax.ops.segment_sum(ds[..., None] * k[senders].astype(jnp.float32), receivers, n,
-                           indices_are_sorted=sorted_)
-  dk = jax.ops.segment_sum(ds[..., None] * q[receivers].astype(jnp.float32), senders, nk)
+  dv = _gathered_segment_sum(p, dout, receivers, senders, nk, False)  # [Nk, H, D]
+  dq = _gathered_segment_sum(ds, k, senders, receivers, n, sorted_)
+  dk = _gathered_segment_sum(ds, q, receivers, senders, nk, False)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
 
 
