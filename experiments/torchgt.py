@@ -187,6 +187,8 @@ def scaling(s: dict) -> tuple[list[Row], dict]:
     t_sparse = time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms
     tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, s["iters"])
     t_ref = time_fn(fn, q, k, v, *args, iters=s["iters"]).ms
+    # Sparse again, after the tuner's calls: the first-timed function pays for cold memory.
+    t_sparse = min(t_sparse, time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms)
     t_dense = time_fn(dense, q, k, v, iters=s["iters"]).ms if n <= s["dense_max"] else None
     thr = tune.threshold
     before = G.block_layout(ds.senders, ds.receivers, n, BLOCK).dense_edge_fraction(thr)
@@ -221,6 +223,8 @@ def community_sweep(s: dict) -> tuple[list[Row], dict]:
     t_sparse = time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms
     tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, s["iters"])
     t_ref = time_fn(fn, q, k, v, *args, iters=s["iters"]).ms
+    # Sparse again, after the tuner's calls: the first-timed function pays for cold memory.
+    t_sparse = min(t_sparse, time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms)
     for key, val in (("community", c), ("sparse", t_sparse), ("reformed", t_ref),
                      ("frac_after", rg.dense_edge_fraction), ("threshold", tune.threshold)):
       out[key].append(val)
