@@ -15,8 +15,8 @@ Both engines are ``fused`` (``jaxsys.speculative.fused``): vanilla decoding of t
 one on-device while_loop until fewer than ``spec_threshold`` rows run; the batch then shrinks
 and the long tail is one while_loop too, speculative (TLT; its bandit may also pick plain
 decoding, ``vanilla_arm``) or vanilla (baseline). Steps 2+ are compared (every rollout
-executable and every minibatch width of the update is compiled before step 1, and compilations
-per step are counted). The step row's ``ideal`` is the Amdahl bound ``1/(1-f)`` of a free
+executable and every minibatch width of the update is compiled before step 1, which still
+compiles a few small eager ops; compilations per step are counted). The step row's ``ideal`` is the Amdahl bound ``1/(1-f)`` of a free
 rollout, ``f`` = the vanilla rollout's share of the step. The TLT drafter gets ``spot_steps`` updates between
 rollouts, timed apart ("drafter training time"): TLT runs them on resources the long tail leaves
 idle, which a 2-core CPU host does not have, so the step time is also given with them added.
