@@ -139,13 +139,13 @@ def test_length_grouped_minibatches_are_exact_and_precompiled():
   engine = RolloutEngine(policy, None, EngineConfig(max_new=6, max_prompt=8, batch_buckets=(8,),
                                                     stop_tokens=(tasks.EOS,), sampling=SamplingParams(1.0),
                                                     speculative=False))
-  cfg = grpo.GRPOConfig(group_size=2, prompts_per_step=4, minibatches=2, length_bucket=4)
+  cfg = grpo.GRPOConfig(group_size=2, prompts_per_step=4, minibatches=2, length_bucket=8)
   tr = grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0), cfg)
   lengths = np.array([3, 14, 5, 9, 4, 13, 6, 7])
   groups = tr._minibatches(lengths)
   assert sorted(np.concatenate([g for g, _ in groups]).tolist()) == list(range(8))  # a partition
   widths = {tuple(sorted(lengths[g])): w for g, w in groups}
-  assert widths == {(3, 4, 5, 6): 8, (7, 9, 13, 14): 14}  # length-sorted; rounded up, capped at 14
+  assert widths == {(3, 4, 5, 6): 8, (7, 9, 13, 14): 14}  # length-sorted; rounded up to 8, capped at 14
   # Cutting padding off is exact: the loss of a short batch is the same at its width and at 14.
   tokens = jax.random.randint(jax.random.key(1), (4, 14), 0, tasks.VOCAB)
   mask = jnp.zeros((4, 13)).at[:, 2:7].set(1.0)
@@ -156,7 +156,7 @@ def test_length_grouped_minibatches_are_exact_and_precompiled():
   cut = loss_fn(policy, tokens[:, :8], mask[:, :7], adv, logp[:, :7] - 0.1, logp[:, :7], 0.2, 0.1)[0]
   np.testing.assert_allclose(float(cut), float(full), rtol=1e-5)
   # After precompile() no step compiles the update again (any width).
-  assert tr.precompile() == 4  # widths 4, 8, 12, 14
+  assert tr.precompile() == 2  # widths 8 and 14
   engine.precompile()
   tr.step()
   n_compiles = []
