@@ -21,6 +21,10 @@ Visits are ordered FULL blocks first (no token mask: the common case), then PART
 mask evaluated from the lazy mask, segments, ``kv_lengths`` and padding), as two branch-free loops.
 When classes depend on traced inputs (segments, ``kv_lengths``) each visit instead picks skip /
 full / partial with ``lax.switch`` (e.g. blocks of disjoint packed segments are skipped).
+
+Calls of at most ``SINGLE_TILE_MAX_Q`` queries whose keys fit one tile (decode steps, draft-tree
+verification) use the plain formula of ``reference.py`` at default precision instead: for one tile
+the loop is pure overhead.
 """
 
 from __future__ import annotations
