@@ -113,6 +113,16 @@ def _head_dot(a, b):
 EDGE_CHUNK = 1 << 15  # edges per chunk of the gathered edge ops (a [chunk, H*D] f32 block: 8 MiB at H*D=64)
 
 
+def _edge_chunks(*edge_arrays):
+  """Edge-indexed arrays ``[E, ...]`` zero-padded to whole chunks: ``[num_chunks, EDGE_CHUNK, ...]``.
+  Padding edges have index 0 and, where a weight is chunked with them, weight 0."""
+  e = edge_arrays[0].shape[0]
+  nc = -(-e // EDGE_CHUNK)
+  pad = nc * EDGE_CHUNK - e
+  return [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(nc, EDGE_CHUNK, *a.shape[1:])
+          for a in edge_arrays]
+
+
 def _gathered_head_dot(x, ix, y, iy):
   """``_head_dot(x[ix], y[iy])`` in chunks of ``EDGE_CHUNK`` edges: the gathered operands and
   their product never exist for all edges at once (at 10M edges they would be ~3 GB each, and
@@ -120,33 +130,24 @@ def _gathered_head_dot(x, ix, y, iy):
   e = ix.shape[0]
   if e <= EDGE_CHUNK:
     return _head_dot(x[ix], y[iy])
-  nc = -(-e // EDGE_CHUNK)
-  pad = nc * EDGE_CHUNK - e
-  ixc, iyc = (jnp.pad(i, (0, pad)).reshape(nc, EDGE_CHUNK) for i in (ix, iy))
-  out = jax.lax.map(lambda c: _head_dot(x[c[0]], y[c[1]]), (ixc, iyc))  # [nc, chunk, H]
-  return out.reshape(nc * EDGE_CHUNK, -1)[:e]
+  out = jax.lax.map(lambda c: _head_dot(x[c[0]], y[c[1]]), tuple(_edge_chunks(ix, iy)))  # [nc, chunk, H]
+  return out.reshape(-1, out.shape[-1])[:e]
 
 
 def _gathered_segment_sum(w, x, ix, seg, num_segments, sorted_):
   """``segment_sum(w[..., None] * x[ix], seg)`` (``w [E, H]``, ``x [*, H, D]``) in chunks of
   ``EDGE_CHUNK`` edges accumulated into one ``[num_segments, H, D]`` buffer, for the same reason
   as ``_gathered_head_dot``."""
-  e = ix.shape[0]
-  if e <= EDGE_CHUNK:
+  if ix.shape[0] <= EDGE_CHUNK:
     return jax.ops.segment_sum(w[..., None] * x[ix].astype(jnp.float32), seg, num_segments,
                                indices_are_sorted=sorted_)
-  nc = -(-e // EDGE_CHUNK)
-  pad = nc * EDGE_CHUNK - e
-  # Padding edges carry weight 0 (their index 0 is harmless).
-  wc = jnp.pad(w, ((0, pad), (0, 0))).reshape(nc, EDGE_CHUNK, -1)
-  ixc, segc = (jnp.pad(i, (0, pad)).reshape(nc, EDGE_CHUNK) for i in (ix, seg))
 
   def body(acc, c):
     wi, ii, si = c
     return acc + jax.ops.segment_sum(wi[..., None] * x[ii].astype(jnp.float32), si, num_segments), None
 
   acc0 = jnp.zeros((num_segments,) + x.shape[1:], jnp.float32)
-  return jax.lax.scan(body, acc0, (wc, ixc, segc))[0]
+  return jax.lax.scan(body, acc0, tuple(_edge_chunks(w, ix, seg)))[0]
 
 
 def _edge_logits(q, k, senders, receivers, scale):
