@@ -310,20 +310,9 @@ class RolloutEngine:
         spec_on, synced = want_spec, False
       b = len(rows)
       t0 = time.perf_counter()
-      arm = None
-      if spec_on and force_strategy is None:
-        arm = self.bandit.select(running)
-        if arm == len(c.strategies):  # the vanilla arm: one plain step, rewarded in tokens/s
-          state = self._exe("vanilla", b)(self.tstate, state)
-          state.done.block_until_ready()
-          synced = False  # the drafter cache misses this step's entry
-          dt = time.perf_counter() - t0
-          self.bandit.update(running, arm, running / dt)
-          stats["vanilla_steps"] += 1
-          stats["vanilla_seconds"] += dt
-          stats["strategy"].append("vanilla")
-          continue
-      if spec_on:
+      arm = self.bandit.select(running) if spec_on and force_strategy is None else None
+      vanilla_arm = arm == len(c.strategies)  # the bandit chose not to draft this step
+      if spec_on and not vanilla_arm:
         if not synced:
           state = self._exe("sync", b)(self.tstate, self.dstate, state)
           synced = True
@@ -344,8 +333,13 @@ class RolloutEngine:
       else:
         state = self._exe("vanilla", b)(self.tstate, state)
         state.done.block_until_ready()
+        dt = time.perf_counter() - t0
         stats["vanilla_steps"] += 1
-        stats["vanilla_seconds"] += time.perf_counter() - t0
+        stats["vanilla_seconds"] += dt
+        if vanilla_arm:  # rewarded in tokens/s like the strategies; the drafter cache misses it
+          self.bandit.update(running, arm, running / dt)
+          stats["strategy"].append("vanilla")
+          synced = False
     return self._finish(state, rows, results, n, stats, t_start, arrs)
 
   def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy):
@@ -366,22 +360,21 @@ class RolloutEngine:
       state, rows = self._shrink(state, rows, done, new_b, results, n)
       stats["shrinks"] += 1
     t0 = time.perf_counter()
-    if not speculate:
-      state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(1))
-      stats["vanilla_steps"] += int(steps)
-      stats["vanilla_seconds"] += time.perf_counter() - t0
-      return state, rows
-    if on_long_tail is not None:
-      on_long_tail()
-    arm = None if force_strategy is not None else self.bandit.select(running)
-    if arm == len(c.strategies):  # the vanilla arm: the tail without drafting, rewarded in tokens/s
-      n0 = int(np.asarray(state.n_out).sum())
+    arm = None
+    if speculate:
+      if on_long_tail is not None:
+        on_long_tail()
+      arm = None if force_strategy is not None else self.bandit.select(running)
+    vanilla_arm = arm == len(c.strategies)  # the bandit chose not to draft the tail
+    if not speculate or vanilla_arm:
+      n0 = int(np.asarray(state.n_out).sum()) if vanilla_arm else 0
       state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(1))
       stats["vanilla_steps"] += int(steps)
       dt = time.perf_counter() - t0
       stats["vanilla_seconds"] += dt
-      stats["strategy"].append("vanilla")
-      self.bandit.update(running, arm, (int(np.asarray(state.n_out).sum()) - n0) / dt)
+      if vanilla_arm:  # rewarded in tokens/s, like the strategies
+        stats["strategy"].append("vanilla")
+        self.bandit.update(running, arm, (int(np.asarray(state.n_out).sum()) - n0) / dt)
       return state, rows
     strategy = force_strategy if arm is None else c.strategies[arm]
     state, rounds, acc, row_rounds = self._exe("sloop", len(rows), strategy)(
