@@ -36,7 +36,6 @@ HEADS, HEAD_DIM = 4, 16
 BLOCK = 64
 NO_TILES = 2.0  # a density threshold no tile reaches: ECR off, the edge kernel alone
 THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off where tiles don't pay
-PARTS = ("cora_accuracy", "scaling", "community_sweep", "train_large", "pyg_comparison", "memory_scaling")
 
 
 def _settings(quick: bool) -> dict:
@@ -176,6 +175,17 @@ def tuned_reform(n, s, r, q, k, v, iters):
   return res, rg, args, fn
 
 
+def time_sparse_vs_reformed(sparse, n, se, re, q, k, v, iters):
+  """``(t_sparse_ms, t_reformed_ms, tuner result, reformed graph)`` for one graph."""
+  se, re = jnp.asarray(se), jnp.asarray(re)
+  t_sparse = time_fn(sparse, q, k, v, se, re, iters=iters).ms
+  tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, iters)
+  t_ref = time_fn(fn, q, k, v, *args, iters=iters).ms
+  # Sparse again, after the tuner's calls: the first-timed function pays for cold memory.
+  t_sparse = min(t_sparse, time_fn(sparse, q, k, v, se, re, iters=iters).ms)
+  return t_sparse, t_ref, tune, rg
+
+
 def scaling(s: dict) -> tuple[list[Row], dict]:
   rows, curves = [], {"n": [], "sparse": [], "reformed": [], "dense": [], "frac_before": [],
                       "frac_after": [], "threshold": []}
@@ -184,11 +194,7 @@ def scaling(s: dict) -> tuple[list[Row], dict]:
   for n in s["sizes"]:
     ds, ds_r, se, re = prepare(n)
     q, k, v = _qkv(n)
-    t_sparse = time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms
-    tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, s["iters"])
-    t_ref = time_fn(fn, q, k, v, *args, iters=s["iters"]).ms
-    # Sparse again, after the tuner's calls: the first-timed function pays for cold memory.
-    t_sparse = min(t_sparse, time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms)
+    t_sparse, t_ref, tune, rg = time_sparse_vs_reformed(sparse, n, se, re, q, k, v, s["iters"])
     t_dense = time_fn(dense, q, k, v, iters=s["iters"]).ms if n <= s["dense_max"] else None
     thr = tune.threshold
     before = G.block_layout(ds.senders, ds.receivers, n, BLOCK).dense_edge_fraction(thr)
@@ -220,11 +226,7 @@ def community_sweep(s: dict) -> tuple[list[Row], dict]:
   q, k, v = _qkv(n)
   for c in s["communities"]:
     _, _, se, re = prepare(n, community=c)
-    t_sparse = time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms
-    tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, s["iters"])
-    t_ref = time_fn(fn, q, k, v, *args, iters=s["iters"]).ms
-    # Sparse again, after the tuner's calls: the first-timed function pays for cold memory.
-    t_sparse = min(t_sparse, time_fn(sparse, q, k, v, jnp.asarray(se), jnp.asarray(re), iters=s["iters"]).ms)
+    t_sparse, t_ref, tune, rg = time_sparse_vs_reformed(sparse, n, se, re, q, k, v, s["iters"])
     for key, val in (("community", c), ("sparse", t_sparse), ("reformed", t_ref),
                      ("frac_after", rg.dense_edge_fraction), ("threshold", tune.threshold)):
       out[key].append(val)
@@ -417,34 +419,30 @@ def _plots(out_dir, curves, pyg, mem, sweep):
   plt.close(fig)
 
 
+_PART_FUNCS = (cora_accuracy, scaling, community_sweep, train_large, pyg_comparison, memory_scaling)
+PARTS = tuple(f.__name__ for f in _PART_FUNCS)
+
+
 def run(quick: bool, out_dir: str, parts=None):
   """``parts``: names from ``PARTS`` to run alone (written as ``torchgt_<parts>``, no plots)."""
   s = _settings(quick)
+  if parts and set(parts) - set(PARTS):
+    raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
+  name = "_".join([NAME, *parts]) if parts else NAME
   rows, extra = [], {}
-  funcs = (cora_accuracy, scaling, community_sweep, train_large, pyg_comparison, memory_scaling)
-  if parts:
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-      raise ValueError(f"parts={sorted(unknown)} must be among {PARTS}")
-    name = "_".join([NAME, *parts])
-    for f in funcs:
-      if f.__name__ in parts:
-        r, e = f(s)
-        rows += r
-        extra[f.__name__] = e
-        write_result(name, rows, config=dict(s), quick=quick, out_dir=out_dir, extra={"details": extra})
-    return rows
-  for part in funcs:
+  for part in _PART_FUNCS:
+    if parts and part.__name__ not in parts:
+      continue
     t0 = time.perf_counter()
     r, e = part(s)
     rows += r
     extra[part.__name__] = e
     extra[part.__name__ + "_seconds"] = time.perf_counter() - t0
-    write_result(NAME, rows, config=dict(s), quick=quick, out_dir=out_dir,
+    write_result(name, rows, config=dict(s), quick=quick, out_dir=out_dir,
                  extra={"details": extra, "partial": True})  # survives an interrupted run
-  _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"], extra["community_sweep"])
-  write_result(NAME, rows, config={k: v for k, v in s.items()}, quick=quick, out_dir=out_dir,
-               extra={"details": extra})
+  if not parts:
+    _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"], extra["community_sweep"])
+  write_result(name, rows, config=dict(s), quick=quick, out_dir=out_dir, extra={"details": extra})
   return rows
 
 
