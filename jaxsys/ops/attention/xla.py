@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from jaxsys.core.errors import ConfigError
-from jaxsys.ops.attention import api
+from jaxsys.ops.attention import api, reference
 from jaxsys.ops.attention import layout as layout_lib
 from jaxsys.ops.attention.common import AttentionArgs
 
@@ -110,7 +110,6 @@ def blockwise_attention(args: AttentionArgs, block_sizes: BlockSizes | None = No
     # Decode / tree verification: a few queries over one key tile. The online-softmax loop and
     # its custom backward buy nothing for a single tile; the plain formula (autodiff backward)
     # is the same math without the loop and per-visit masking overhead.
-    from jaxsys.ops.attention import reference
     return reference.attention_reference(args, precision=lax.Precision.DEFAULT)
   lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
                                   block_k=bk, q_offset=args.static_offset)
