@@ -3,7 +3,8 @@
 
 Every loader takes ``on_error="raise"`` (the first malformed row raises a TraceError naming the
 file, row and column) or ``"skip"`` (the row is dropped and counted under its reason in
-``Trace.skipped``). Times become seconds from the earliest submit time.
+``Trace.skipped``). Files are UTF-8 with or without a byte-order mark; a row holding bytes that
+are not UTF-8 is malformed like any other. Times become seconds from the earliest submit time.
 
 Usage::
 
@@ -17,11 +18,12 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from jaxsys.cluster.trace import (Job, RowReader, Trace, TraceError, normalise_state, read_csv_rows,
-                                  read_header)
+                                  read_header, read_text)
 from jaxsys.core.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "traces"
@@ -51,6 +53,7 @@ def _collect(path: Path, rows, parse: Callable[[RowReader], Job | None], on_erro
   for i, row in rows:
     reader = RowReader(path.name, i, row)
     try:
+      reader.check_decoded()
       job = parse(reader)
     except TraceError as e:
       if on_error == "raise":
@@ -63,9 +66,9 @@ def _collect(path: Path, rows, parse: Callable[[RowReader], Job | None], on_erro
 
 
 def _reason(message: str) -> str:
-  # "file: row 12 column 'x': why (value ...)" -> "column 'x': why"
-  body = message.split(": ", 2)[-1] if message.count(": ") >= 2 else message
-  return body.split(" (value")[0]
+  # "file: row 12 column 'x': why (value ...)" -> "column 'x': why"; "file: row 3: why" -> "why"
+  m = re.match(r".*?: row \d+:? (.*)", message, re.S)
+  return (m.group(1) if m else message).split(" (value")[0]
 
 
 def _rebase(jobs: list[Job], source: str, skipped: dict) -> Trace:
@@ -143,6 +146,7 @@ def load_alibaba_nodes(path: str | Path | None = None) -> list[tuple[str, int, s
   out = []
   for i, row in rows:
     r = RowReader(path.name, i, row)
+    r.check_decoded()
     out.append((r.raw("sn"), r.number("gpu", integer=True, minimum=0), r.raw("model", required=False) or ""))
   return out
 
@@ -239,13 +243,31 @@ _PHILLY_STATES = {"Pass": "completed", "Killed": "cancelled", "Failed": "failed"
                   "Running": "running", "Queued": "pending"}
 
 
+def _list_of(r: RowReader, value, what: str, item: type | None = None) -> list:
+  """``value`` as a list (None -> []); anything else is a TraceError naming the row and field."""
+  if value is None:
+    return []
+  if not isinstance(value, list):
+    r.fail("attempts", f"{what} must be a list, got {type(value).__name__}")
+  for k, v in enumerate(value):
+    if item is not None and not isinstance(v, item):
+      r.fail("attempts", f"{what}[{k}] must be a JSON {'object' if item is dict else item.__name__}, "
+             f"got {type(v).__name__}")
+  return value
+
+
 def _parse_philly(r: RowReader) -> Job | None:
+  if not isinstance(r.row, dict):
+    r.fail_row(f"must be a JSON object, got {type(r.row).__name__}")
   status = r.raw("status")
   if status not in _PHILLY_STATES:
     r.fail("status", f"must be one of {sorted(_PHILLY_STATES)}")
-  attempts = r.row.get("attempts") or []
-  if not isinstance(attempts, list):
-    r.fail("attempts", "must be a list")
+  # attempts: [{"start_time", "end_time", "detail": [{"ip", "gpus": [name, ...]}, ...]}, ...]
+  attempts = _list_of(r, r.row.get("attempts"), "attempts", dict)
+  details = [_list_of(r, a.get("detail"), f"attempts[{k}].detail", dict) for k, a in enumerate(attempts)]
+  for k, detail in enumerate(details):
+    for n, d in enumerate(detail):
+      _list_of(r, d.get("gpus"), f"attempts[{k}].detail[{n}].gpus")
   submit = parse_time(r, "submitted_time")
   state = _PHILLY_STATES[status]
   start = end = None
@@ -254,9 +276,8 @@ def _parse_philly(r: RowReader) -> Job | None:
     sub = [RowReader(r.source, r.row_number, a) for a in attempts]
     start = parse_time(sub[0], "start_time", required=False)
     end = parse_time(sub[-1], "end_time", required=False)
-    detail = attempts[-1].get("detail") or []
-    nodes = len(detail)
-    gpus = sum(len(d.get("gpus") or []) for d in detail)
+    nodes = len(details[-1])
+    gpus = sum(len(d.get("gpus") or []) for d in details[-1])
   if start is None:
     state = "pending" if state in ("running", "pending") else state
   start, end, dur = _times(r, submit, start, end, "pending" if start is None else state)
@@ -269,16 +290,13 @@ def _parse_philly(r: RowReader) -> Job | None:
 def load_philly(path: str | Path, *, on_error: str = "raise") -> Trace:
   """Philly ``cluster_job_log`` (JSON list of jobs with attempts; Jeon et al., ATC'19)."""
   path = Path(path)
-  if not path.exists():
-    raise FileNotFoundError(f"trace file {path} does not exist")
   try:
-    records = json.loads(path.read_text())
+    records = json.loads(read_text(path))
   except json.JSONDecodeError as e:
     raise TraceError(f"{path.name}: not valid JSON: {e}") from e
   if not isinstance(records, list):
     raise TraceError(f"{path.name}: expected a JSON list of jobs, got {type(records).__name__}")
-  rows = ((i, rec if isinstance(rec, dict) else {"status": None}) for i, rec in enumerate(records))
-  return _collect(path, rows, _parse_philly, on_error)
+  return _collect(path, enumerate(records), _parse_philly, on_error)
 
 
 def load_trace(path: str | Path, fmt: str = "auto", *, on_error: str = "raise") -> Trace:

@@ -17,6 +17,7 @@ import collections
 import csv
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -116,13 +117,31 @@ class RowReader:
     self.source, self.row_number, self.row = source, row_number, row
 
   def fail(self, column: str, why: str):
+    value = repr(self.row.get(column) if isinstance(self.row, dict) else None)
+    if len(value) > 120:  # a JSON field (Philly attempts) can be long
+      value = value[:117] + "..."
     raise TraceError(f"{self.source}: row {self.row_number} column {column!r}: {why} "
-                     f"(value {self.row.get(column)!r})")
+                     f"(value {value})")
+
+  def fail_row(self, why: str):
+    raise TraceError(f"{self.source}: row {self.row_number}: {why}")
+
+  def check_decoded(self):
+    """Fails on a row holding bytes that were not UTF-8 (decoded with ``surrogateescape``)."""
+    if isinstance(self.row, dict):
+      for column, value in self.row.items():
+        if undecodable(column) or undecodable(value):
+          self.fail(str(column), "is not valid UTF-8")
+    elif undecodable(self.row):
+      self.fail_row("is not valid UTF-8")
 
   def raw(self, column: str, *aliases: str, required: bool = True) -> str | None:
     for c in (column, *aliases):
       if c in self.row and self.row[c] not in (None, ""):
-        return str(self.row[c]).strip()
+        text = str(self.row[c]).strip()
+        if undecodable(text):
+          self.fail(c, "is not valid UTF-8")
+        return text
     if required:
       self.fail(column, "is missing")
     return None
@@ -149,16 +168,53 @@ class RowReader:
     return value
 
 
-def read_csv_rows(path: str | Path) -> tuple[list[str], Iterable[tuple[int, dict]]]:
-  """Returns (header, iterator of (1-based data row number, row dict)); the header is line 1."""
+# Trace files are read as UTF-8 with an optional byte-order mark (Excel and Windows tools write
+# one); bytes that are not UTF-8 decode to lone surrogates (U+DC80..U+DCFF) so the row holding
+# them can be reported or skipped instead of the whole read raising UnicodeDecodeError.
+ENCODING, DECODE_ERRORS = "utf-8-sig", "surrogateescape"
+_SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+def undecodable(value) -> bool:
+  """True if ``value`` (a str, or a JSON-like tree of them) holds bytes that were not UTF-8."""
+  if isinstance(value, str):
+    return _SURROGATE.search(value) is not None
+  if isinstance(value, dict):
+    return any(undecodable(k) or undecodable(v) for k, v in value.items())
+  if isinstance(value, (list, tuple)):
+    return any(undecodable(v) for v in value)
+  return False
+
+
+def _open_text(path: Path):
+  import gzip
+  opener = gzip.open if path.suffix == ".gz" else open
+  return opener(path, "rt", encoding=ENCODING, errors=DECODE_ERRORS, newline="")
+
+
+def read_text(path: str | Path) -> str:
+  """A whole trace file (plain or .gz) as text, decoded like the CSV readers."""
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"trace file {path} does not exist")
-  import gzip
-  opener = gzip.open if path.suffix == ".gz" else open
-  f = opener(path, "rt", newline="")
+  with _open_text(path) as f:
+    return f.read()
+
+
+def read_csv_rows(path: str | Path) -> tuple[list[str], Iterable[tuple[int, dict]]]:
+  """Returns (header, iterator of (1-based data row number, row dict)); the header is line 1.
+
+  Rows holding non-UTF-8 bytes come through; ``RowReader.check_decoded`` reports them.
+  """
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"trace file {path} does not exist")
+  f = _open_text(path)
   reader = csv.DictReader(f)
   header = list(reader.fieldnames or [])
+  if undecodable(header):
+    f.close()
+    raise TraceError(f"{path.name}: the header (line 1) is not valid UTF-8: {header}")
 
   def rows():
     with f:
@@ -171,11 +227,10 @@ def read_csv_rows(path: str | Path) -> tuple[list[str], Iterable[tuple[int, dict
 
 def read_header(path: str | Path) -> list[str]:
   """The column names of a CSV (plain or .gz) without reading its rows."""
-  import gzip
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"trace file {path} does not exist")
-  with (gzip.open if path.suffix == ".gz" else open)(path, "rt", newline="") as f:
+  with _open_text(path) as f:
     return next(csv.reader(f), [])
 
 
@@ -246,5 +301,6 @@ def load_helios_summary(path: str | Path) -> dict[str, dict[str, float]]:
   out = {}
   for i, row in rows:
     r = RowReader(Path(path).name, i, row)
+    r.check_decoded()
     out[row["id"]] = {k: r.number(k) for k in header if k != "id"}
   return out

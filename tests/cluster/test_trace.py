@@ -106,3 +106,62 @@ def test_validate_reports_field():
     validate(trace.jobs, max_gpus=4)
   with pytest.raises(TraceError, match="duplicates"):
     validate([trace.jobs[0], trace.jobs[0]])
+
+
+HELIOS_HEADER = "job_id,user,vc,jobname,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time\n"
+PHILLY_JOB = {"status": "Pass", "jobid": "application_1", "submitted_time": "2017-10-03 00:00:00",
+              "attempts": [{"start_time": "2017-10-03 00:05:00", "end_time": "2017-10-03 00:10:00",
+                            "detail": [{"ip": "m1", "gpus": ["gpu0", "gpu1"]}]}]}
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path):
+  bom = b"\xef\xbb\xbf"
+  p = tmp_path / "pods.csv"
+  p.write_bytes(bom + (ALI_HEADER + "p0,1000,10,1,1000,,LS,Running,0,100,5\n").encode())
+  assert [j.id for j in loaders.load_trace(p)] == ["p0"]  # 'name' is the first column
+  h = tmp_path / "cluster_log.csv"
+  h.write_bytes(bom + (HELIOS_HEADER + "j1,u1,vcA,x,8,32,1,COMPLETED,0,60,3660\n").encode())
+  assert [j.id for j in loaders.load_trace(h)] == ["j1"]
+  j = tmp_path / "cluster_job_log.json"
+  j.write_bytes(bom + json.dumps([PHILLY_JOB]).encode())
+  assert loaders.load_trace(j).jobs[0].gpus == 2
+
+
+def test_undecodable_rows_raise_trace_error_or_are_skipped(tmp_path):
+  import gzip
+  body = (ALI_HEADER + "p0,1000,10,1,1000,,LS,Running,0,100,5\n").encode() + \
+      b"p\xff1,1000,10,1,1000,,LS,Running,0,100,5\n" + b"p2,1000,10,1,1000,,LS,Running,0,100,5\n"
+  p, gz = tmp_path / "pods.csv", tmp_path / "pods.csv.gz"
+  p.write_bytes(body)
+  gz.write_bytes(gzip.compress(body))
+  for path in (p, gz):
+    with pytest.raises(TraceError, match=r"row 3 column 'name': is not valid UTF-8"):
+      loaders.load_alibaba(path)
+    trace = loaders.load_alibaba(path, on_error="skip")
+    assert [j.id for j in trace] == ["p0", "p2"]
+    assert trace.skipped == {"column 'name': is not valid UTF-8": 1}
+  j = tmp_path / "log.json"
+  j.write_bytes(b'[{"status": "Pass", "jobid": "a\xfe", "submitted_time": "0"}, '
+                + json.dumps(PHILLY_JOB).encode() + b"]")
+  with pytest.raises(TraceError, match="row 0 column 'jobid': is not valid UTF-8"):
+    loaders.load_philly(j)
+  trace = loaders.load_philly(j, on_error="skip")
+  assert len(trace) == 1 and sum(trace.skipped.values()) == 1
+
+
+def test_philly_fields_of_the_wrong_type_name_the_row(tmp_path):
+  bad_attempts = [{"start_time": "1"}, "attempt-1", {}, ["attempt-1"], [{"detail": {"ip": "m1"}}],
+                  [{"detail": ["m1"]}], [{"detail": [{"ip": "m1", "gpus": "gpu0"}]}]]
+  for k, attempts in enumerate(bad_attempts):
+    p = tmp_path / f"log{k}.json"
+    p.write_text(json.dumps([PHILLY_JOB, {**PHILLY_JOB, "jobid": "x", "attempts": attempts}]))
+    with pytest.raises(TraceError, match=r"row 1 column 'attempts': .*must be a"):
+      loaders.load_philly(p)
+    trace = loaders.load_philly(p, on_error="skip")
+    assert [j.id for j in trace] == ["application_1"] and sum(trace.skipped.values()) == 1, attempts
+  p = tmp_path / "rows.json"
+  p.write_text(json.dumps([PHILLY_JOB, "application_2", None]))
+  with pytest.raises(TraceError, match="row 1: must be a JSON object, got str"):
+    loaders.load_philly(p)
+  assert loaders.load_philly(p, on_error="skip").skipped == {"must be a JSON object, got str": 1,
+                                                             "must be a JSON object, got NoneType": 1}
