@@ -5,9 +5,10 @@
   jaxsys cluster sweep [TRACE] --policies fifo sjf srtf las qssf --nodes 2 3 4 [--out sweep.json]
   jaxsys cluster ces [NODE_SEQUENCE] --buffer 5 --hold 30 --horizon 10
   jaxsys cluster diagnose LOGFILE [--exit-code N]
-  jaxsys cluster supervise --ckpt-dir DIR [--max-restarts 5] -- CMD ...
+  jaxsys cluster supervise --ckpt-dir DIR [--max-restarts 5] [--log PATH] -- CMD ...
 
-TRACE defaults to the bundled Alibaba v2023 GPU trace.
+TRACE defaults to the bundled Alibaba v2023 GPU trace. Errors (a missing or malformed file, a
+bad option value, a command that does not exist) are one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from jaxsys.core.errors import ConfigError, JaxsysError
+
+# What a user can get wrong: bad values (ConfigError, InputError, TraceError), missing or
+# unreadable files. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (JaxsysError, OSError)
 
 
 def _trace(args):
@@ -32,7 +39,7 @@ def make_estimator(name: str, train):
            "blend": lambda: E.BlendEstimator(E.HistoryEstimator(), E.GBEstimator(max_iter=100)),
            "insight": lambda: InsightEstimator(), "oracle": lambda: E.OracleEstimator()}
   if name not in table:
-    raise SystemExit(f"--estimator {name!r} must be one of {sorted(table)}")
+    raise ConfigError(f"--estimator {name!r} must be one of {sorted(table)}")
   return table[name]().fit(train)
 
 
@@ -75,9 +82,39 @@ def _common(p):
   p.add_argument("--seed", type=int, default=0)
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse whose errors are one line (``prog: error: ...``) instead of usage + error."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="jaxsys cluster", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  """Runs one subcommand; returns the exit status (2 for a user error, printed as one line)."""
+  ap = _parser()
+  try:
+    args = ap.parse_args(argv)
+  except SystemExit as e:  # --help (0) or a usage error (2, already printed)
+    return e.code if isinstance(e.code, int) else 2
+  try:
+    return _dispatch(args)
+  except USER_ERRORS as e:
+    print(f"jaxsys cluster {args.cmd}: error: {_message(e)}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"jaxsys cluster {args.cmd}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _message(e: BaseException) -> str:
+  if isinstance(e, OSError) and e.filename is not None and e.strerror:
+    return f"{e.strerror}: {e.filename}"
+  return " ".join(str(e).split()) or type(e).__name__  # one line
+
+
+def _parser() -> argparse.ArgumentParser:
+  ap = _Parser(prog="jaxsys cluster", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = ap.add_subparsers(dest="cmd", required=True)
   s = sub.add_parser("summary", help="Helios-style statistics of a trace")
   s.add_argument("trace", nargs="?", default=None)
@@ -111,10 +148,19 @@ def main(argv=None) -> int:
   v = sub.add_parser("supervise", help="run a command under the fault-tolerant supervisor")
   v.add_argument("--ckpt-dir", required=True)
   v.add_argument("--max-restarts", type=int, default=5)
-  v.add_argument("--heartbeat-timeout", type=float, default=60.0)
+  v.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                 help="seconds without a heartbeat before the job counts as stalled")
+  v.add_argument("--startup-timeout", type=float, default=600.0,
+                 help="seconds to the first heartbeat of an attempt")
+  v.add_argument("--kill-grace", type=float, default=10.0,
+                 help="seconds between SIGTERM and SIGKILL when the job is stopped")
+  v.add_argument("--workdir", default=None, help="heartbeat file etc. (default: CKPT_DIR/../supervisor)")
+  v.add_argument("--log", default=None, help="the job's output (default: WORKDIR/job.log)")
   v.add_argument("command", nargs=argparse.REMAINDER)
-  args = ap.parse_args(argv)
+  return ap
 
+
+def _dispatch(args) -> int:
   if args.cmd == "summary":
     trace = _trace(args)
     out = {k: (None if isinstance(v, float) and v != v else v)
@@ -155,12 +201,16 @@ def main(argv=None) -> int:
     model = ModelDiagnoser(args.model) if args.model else None
     print(json.dumps(diagnose(text, args.exit_code, model).__dict__, indent=1))
   elif args.cmd == "supervise":
-    from jaxsys.cluster.supervisor import supervise
+    from jaxsys.cluster.supervisor import check_command, job_paths, supervise
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
-      ap.error("supervise needs a command after --")
-    rep = supervise(cmd, ckpt_dir=args.ckpt_dir, max_restarts=args.max_restarts,
-                    heartbeat_timeout=args.heartbeat_timeout)
+      raise ConfigError("supervise needs a command after --")
+    check_command(cmd)
+    workdir, log = job_paths(args.ckpt_dir, args.workdir, args.log)
+    print(f"job log: {log}", flush=True)
+    rep = supervise(cmd, ckpt_dir=args.ckpt_dir, workdir=workdir, log_path=log,
+                    max_restarts=args.max_restarts, heartbeat_timeout=args.heartbeat_timeout,
+                    startup_timeout=args.startup_timeout, kill_grace=args.kill_grace)
     print(rep.summary())
     return 0 if rep.success else 1
   return 0
