@@ -20,6 +20,7 @@ import jraph
 import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.ops.ids import check_ids
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,16 +93,16 @@ def check_graph(g: jraph.GraphsTuple) -> int:
 
 
 def check_edges(senders, receivers, num_nodes: int):
-  """Raises ``InputError`` unless senders/receivers are equal-length int vectors in [0, num_nodes)."""
-  s, r = np.asarray(senders), np.asarray(receivers)
-  if s.ndim != 1 or r.ndim != 1 or s.shape != r.shape:
-    raise ShapeError(f"senders and receivers must be 1-D of equal length, got {s.shape} and {r.shape}")
-  if s.size and not (np.issubdtype(s.dtype, np.integer) and np.issubdtype(r.dtype, np.integer)):
-    raise ShapeError(f"senders/receivers must be integer arrays, got {s.dtype} and {r.dtype}")
-  for name, x in (("senders", s), ("receivers", r)):
-    if x.size and (x.min() < 0 or x.max() >= num_nodes):
-      raise InputError(f"{name} must lie in [0, num_nodes={num_nodes}), "
-                       f"got range [{int(x.min())}, {int(x.max())}]")
+  """Raises unless senders/receivers are equal-length int vectors in ``[0, num_nodes)``.
+
+  Checked on the arrays as given, before any cast (``jaxsys.ops.ids.check_ids``): float ids are
+  a ``ShapeError``, an id out of range (``-1``, ``2**32 + 1``) an ``InputError`` naming it.
+  """
+  s_shape, r_shape = np.shape(senders), np.shape(receivers)
+  if len(s_shape) != 1 or s_shape != r_shape:
+    raise ShapeError(f"senders and receivers must be 1-D of equal length, got {s_shape} and {r_shape}")
+  check_ids("senders", senders, num_nodes)
+  check_ids("receivers", receivers, num_nodes)
 
 
 def canonical_edges(senders, receivers, num_nodes: int, *, symmetrize: bool = True,
@@ -139,9 +140,9 @@ def make_graph(features, senders, receivers) -> jraph.GraphsTuple:
   x = np.asarray(features, np.float32)
   if x.ndim != 2:
     raise ShapeError(f"features must be [num_nodes, num_features], got shape {x.shape}")
+  check_edges(senders, receivers, x.shape[0])  # before the int32 cast, which would wrap
   s = np.asarray(senders, np.int32)
   r = np.asarray(receivers, np.int32)
-  check_edges(s, r, x.shape[0])
   return jraph.GraphsTuple(nodes=x, edges=None, senders=s, receivers=r,
                            n_node=np.asarray([x.shape[0]], np.int32),
                            n_edge=np.asarray([s.shape[0]], np.int32), globals=None)

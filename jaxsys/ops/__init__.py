@@ -13,6 +13,8 @@ _getattr, __dir__ = lazy_exports(__name__, {
     "segment_softmax": "graph_attention",
     "quantized_aggregate": "quantized_aggregate",
     "paged_decode_attention": "paged_attention",
+    "check_ids": "ids",
+    "checked": "ids",
 })
 
 

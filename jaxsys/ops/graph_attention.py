@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import masks as masks_lib
+from jaxsys.ops.ids import check_ids
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 MODES = ("sparse", "dense", "block", "reformed")
@@ -71,18 +72,6 @@ def _check_qkv(q, k, v):
 def _check_self(q, k):
   if q.shape[0] != k.shape[0]:
     raise ShapeError(f"q {q.shape} and k {k.shape} must have the same node count for this path")
-
-
-def _check_index(name, x, num_nodes):
-  """Integer index vector in ``[0, num_nodes)`` (range checked when concrete, i.e. outside jit)."""
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ShapeError(f"{name} must be an integer array, got {x.dtype}")
-  if isinstance(x, jax.core.Tracer) or x.size == 0:
-    return
-  xn = np.asarray(x)  # concrete (possibly a constant captured by a trace): check on the host
-  lo, hi = int(xn.min()), int(xn.max())
-  if lo < 0 or hi >= num_nodes:
-    raise InputError(f"{name} must lie in [0, num_nodes={num_nodes}), got range [{lo}, {hi}]")
 
 
 def _impl(impl):
@@ -206,17 +195,21 @@ def sparse_graph_attention(q, k, v, senders, receivers, *, scale=None, impl: str
   Args:
     q: ``[nodes, heads, head_dim]``; k, v: ``[key_nodes, heads, head_dim]`` (usually the same
       nodes; a graph-parallel shard passes local + halo keys).
-    senders: ``int[edges]`` in ``[0, key_nodes)``; receivers in ``[0, nodes)`` (checked
-      outside jit).
+    senders: ``int[edges]`` in ``[0, key_nodes)``; receivers in ``[0, nodes)``. Float ids raise
+      ``ShapeError``; ids out of range raise ``InputError`` -- at once for concrete ids, and for
+      ids traced under ``jit`` through ``jax.experimental.checkify`` (a ``debug_check``: a no-op
+      in plain ``jit``, raised by ``jaxsys.ops.checked(f)`` / ``checkify.checkify(f)``).
     indices_are_sorted: receivers are sorted (true for ``jaxsys.graphs`` datasets).
   Returns ``out [nodes, heads, head_dim]`` (and float32 ``lse [nodes, heads]``).
   """
   _check_qkv(q, k, v)
+  s_shape, r_shape = np.shape(senders), np.shape(receivers)
+  if len(s_shape) != 1 or s_shape != r_shape:
+    raise ShapeError(f"senders {s_shape} and receivers {r_shape} must be 1-D of equal length")
+  # On the ids as given: jnp.asarray would first cast int64 to int32 (2**32 + 1 -> 1).
+  check_ids("senders", senders, k.shape[0], size_name="key_nodes")
+  check_ids("receivers", receivers, q.shape[0])
   senders, receivers = jnp.asarray(senders), jnp.asarray(receivers)
-  if senders.ndim != 1 or senders.shape != receivers.shape:
-    raise ShapeError(f"senders {senders.shape} and receivers {receivers.shape} must be 1-D of equal length")
-  _check_index("senders", senders, k.shape[0])
-  _check_index("receivers", receivers, q.shape[0])
   impl = _impl(impl)
   if impl in ("pallas", "pallas_interpret"):
     raise NotImplementedError(

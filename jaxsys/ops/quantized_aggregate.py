@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.ops.ids import check_ids
 
 AGGREGATIONS = ("sum", "mean", "gcn")
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -56,8 +57,17 @@ def check_aggregation(aggregation: str):
 
 
 def normalized_edges(senders, receivers, num_nodes: int, aggregation: str):
-  """``(senders, receivers, weights)`` for an aggregation; traceable (jnp), adds self loops for gcn."""
+  """``(senders, receivers, weights)`` for an aggregation; traceable (jnp), adds self loops for gcn.
+
+  Ids are validated before the int32 cast (``jaxsys.ops.ids.check_ids``): concrete ids at once;
+  traced ids through a ``checkify.debug_check`` raised by ``jaxsys.ops.checked(f)``.
+  """
   check_aggregation(aggregation)
+  if np.shape(senders) != np.shape(receivers) or len(np.shape(senders)) != 1:
+    raise ShapeError(f"senders/receivers must be equal 1-D arrays, got {np.shape(senders)}, "
+                     f"{np.shape(receivers)}")
+  check_ids("senders", senders, num_nodes)  # before the int32 cast (2**32 + 1 -> 1)
+  check_ids("receivers", receivers, num_nodes)
   s = jnp.asarray(senders, jnp.int32)
   r = jnp.asarray(receivers, jnp.int32)
   if aggregation == "gcn":
@@ -120,9 +130,8 @@ def plan_aggregation(packed, graph, aggregation: str = "sum") -> AggregationPlan
   s_np, r_np = _concrete("senders", senders), _concrete("receivers", receivers)
   if s_np.shape != r_np.shape or s_np.ndim != 1:
     raise ShapeError(f"senders/receivers must be equal 1-D arrays, got {s_np.shape}, {r_np.shape}")
-  for name, a in (("senders", s_np), ("receivers", r_np)):
-    if a.size and (a.min() < 0 or a.max() >= n):
-      raise InputError(f"{name} must lie in [0, {n}), got [{a.min()}, {a.max()}]")
+  check_ids("senders", s_np, n)
+  check_ids("receivers", r_np, n)
   s, r, w = (np.asarray(a) for a in normalized_edges(s_np, r_np, n, aggregation))
   group_of = np.full(n, -1, np.int64)
   row_of = np.zeros(n, np.int64)
@@ -167,6 +176,8 @@ def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: s
   Args:
     packed: ``PackedFeatures`` (``jaxsys.quant.packing``).
     graph: jraph.GraphsTuple or ``(senders, receivers)``; may be None when ``plan`` is given.
+      Ids must be integers in ``[0, num_nodes)``, checked on the host before any cast
+      (``ShapeError`` / ``InputError``); under jit the plan (built outside) carries checked ids.
     aggregation: "sum" | "mean" | "gcn".
     impl: "auto" (xla on CPU, pallas on GPU) | "xla" | "pallas" | "pallas_interpret".
     plan: a precomputed ``plan_aggregation(packed, graph, aggregation)`` (needed under jit).

@@ -106,6 +106,25 @@ def test_reform_splits_every_edge_exactly_once():
   assert approx.num_tiles >= rg.num_tiles and approx.block_bits.sum() > rg.block_bits.sum()
 
 
+def test_edge_ids_are_checked_before_the_int32_cast():
+  """Float ids and ids out of range are rejected on the arrays as given (issue #14 item 9):
+  cast to int32 first, 2**32 + 1 would become node 1."""
+  x = np.zeros((8, 2), np.float32)
+  with pytest.raises(ShapeError, match=r"senders must be an integer array.*senders\[1\]=1.5"):
+    G.make_graph(x, [0.0, 1.5], [1, 2])
+  with pytest.raises(InputError, match=r"senders must lie in \[0, num_nodes=8\), got senders\[1\]=4294967297"):
+    G.make_graph(x, np.array([0, 2**32 + 1]), np.array([1, 1]))
+  with pytest.raises(InputError, match=r"receivers must lie in \[0, num_nodes=8\), got receivers\[2\]=-1"):
+    G.canonical_edges([0, 1, 2], [1, 2, -1], 8)
+  with pytest.raises(ShapeError, match="receivers must be an integer array"):
+    G.canonical_edges([0, 1], [1.0, 2.0], 8)
+  # ids that do not fit int32 at all: the int32 result would wrap (2**32 + 1 -> 1)
+  with pytest.raises(ShapeError, match=r"num_nodes=8589934592 exceeds the int32 id range"):
+    G.canonical_edges([2**32 + 1], [0], 2**33)
+  g = G.make_graph(x, np.array([0, 7], np.int64), np.array([7, 0], np.int64))
+  assert g.senders.dtype == np.int32 and g.senders.tolist() == [0, 7]
+
+
 def test_bad_inputs_raise_clear_errors():
   x = np.zeros((5, 3), np.float32)
   with pytest.raises(InputError, match="senders must lie in"):

@@ -136,6 +136,25 @@ def test_bad_inputs():
     GA.sparse_graph_attention(q, k, v, jnp.array([0]), jnp.array([1]), impl="pallas")
 
 
+def test_edge_ids_are_validated_eagerly_and_under_jit():
+  """Ids are checked before the int32 cast, and under jit through checkify (issue #14 item 9)."""
+  q, k, v = _qkv(8, h=1, d=4)
+  with pytest.raises(InputError, match=r"senders must lie in \[0, key_nodes=8\), got senders\[0\]=4294967297"):
+    GA.sparse_graph_attention(q, k, v, np.array([2**32 + 1]), np.array([1]))  # int32 cast: 1
+  with pytest.raises(ShapeError, match=r"receivers must be an integer array.*receivers\[0\]=1.5"):
+    GA.sparse_graph_attention(q, k, v, np.array([0]), np.array([1.5]))
+  from jaxsys.ops import checked
+  f = jax.jit(lambda s, r: GA.sparse_graph_attention(q, k, v, s, r))
+  ok = checked(f)(jnp.array([0, 2]), jnp.array([1, 1]))
+  np.testing.assert_allclose(ok, f(jnp.array([0, 2]), jnp.array([1, 1])))
+  with pytest.raises(InputError, match=r"senders must lie in \[0, key_nodes=8\), got senders\[1\]=-1"):
+    checked(f)(jnp.array([0, -1]), jnp.array([1, 1]))  # would read node 7
+  with pytest.raises(InputError, match=r"receivers must lie in \[0, num_nodes=8\), got receivers\[0\]=9"):
+    checked(f)(jnp.array([0, 1]), jnp.array([9, 1]))  # would be dropped by segment_sum
+  with pytest.raises(ShapeError, match="senders must be an integer array"):
+    f(jnp.array([0.0]), jnp.array([1]))
+
+
 def test_sparse_attention_in_edge_chunks_matches(graph, monkeypatch):
   """Large edge sets are processed in chunks (``EDGE_CHUNK``): same values and gradients."""
   n, s, r = graph

@@ -6,7 +6,7 @@ import jraph
 import numpy as np
 import pytest
 
-from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.ops import quantized_aggregate
 from jaxsys.ops.quantized_aggregate import aggregate, plan_aggregation
 from jaxsys.quant.packing import dequantize, pack_features
@@ -65,3 +65,17 @@ def test_errors():
   if jax.default_backend() == "cpu":
     with pytest.raises(NotImplementedError, match="pallas_interpret"):
       quantized_aggregate(pk, (s, r), impl="pallas")
+
+
+def test_ids_are_validated_before_the_cast():
+  """Float ids are rejected (they were truncated), traced ids are checked via checkify."""
+  pk, s, r = make_case(n=8, f=3, e=6)
+  with pytest.raises(ShapeError, match=r"senders must be an integer array.*senders\[0\]=0.5"):
+    quantized_aggregate(pk, (np.full(6, 0.5), r))
+  with pytest.raises(InputError, match=r"receivers must lie in \[0, num_nodes=8\), got receivers\[0\]=4294967297"):
+    plan_aggregation(pk, (s, np.full(6, 2**32 + 1)), "sum")
+  from jaxsys.ops import checked
+  x = jnp.ones((8, 3))
+  f = jax.jit(lambda ss, rr: aggregate(x, ss, rr, 8))
+  with pytest.raises(InputError, match=r"senders must lie in \[0, num_nodes=8\), got senders\[2\]=-1"):
+    checked(f)(jnp.asarray(s).at[2].set(-1), jnp.asarray(r))
