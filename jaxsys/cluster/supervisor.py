@@ -19,7 +19,8 @@ Guarantees (the torchrun / Kubernetes conventions):
 * A command runs in its own session (process group). However an attempt ends -- success,
   failure, or the supervisor itself failing (an exception, KeyboardInterrupt, SIGTERM/SIGHUP) --
   the whole group gets SIGTERM, then SIGKILL after ``kill_grace`` seconds: no job is orphaned.
-  SIGTERM/SIGHUP to the supervisor end it with exit status 128 + signal after that cleanup.
+  SIGTERM/SIGHUP to the supervisor (main thread, signals at their default action) end it with
+  exit status 128 + signal after that cleanup.
 * A malformed heartbeat (not JSON, no numeric ``step`` / ``loss``) is logged and counted in
   ``Attempt.malformed_beats`` as a missed beat; enough of them in a row is a stall.
 * Checkpoints: a job that saves with :class:`jaxsys.core.checkpoint.Checkpointer` (the demo job
@@ -27,8 +28,8 @@ Guarantees (the torchrun / Kubernetes conventions):
   costs the steps since the previous one, not the run. After a NaN loss the supervisor deletes
   the checkpoints taken at or after the first bad step.
 * A command that cannot be started (not found, not executable) raises ConfigError before
-  anything runs. Its output goes to ``log`` (default ``<workdir>/job.log``; the report's
-  ``log_path``).
+  anything runs. Its output goes to ``log_path`` (default ``<workdir>/job.log``; also in the
+  report).
 
 Job contract: it resumes from the latest checkpoint in ``ckpt_dir`` and reports heartbeats.
 A command receives ``JAXSYS_CKPT_DIR`` and ``JAXSYS_HEARTBEAT`` (a JSON file path) in its
@@ -254,9 +255,9 @@ class _Beats:
 def _poll_heartbeat(path: Path, beats: _Beats, seen: str | None) -> str | None:
   """Reads the heartbeat file; a new content is a beat or a malformed beat. Returns the content."""
   try:
-    text = path.read_text()
-  except (OSError, UnicodeDecodeError):
-    return seen  # not written yet (or mid-replace): nothing new
+    text = path.read_bytes().decode("utf-8", errors="replace")  # garbage is malformed, below
+  except OSError:
+    return seen  # not written yet: nothing new
   if text == seen:
     return seen
   try:
@@ -415,7 +416,7 @@ def _run_function(fn, attempt, beats, ckpt_dir, heartbeat_timeout, poll):
         box.setdefault("log", "heartbeat stalled")
         return "stall", box
   finally:
-    ctx.cancelled = True  # the supervisor is leaving (also on its own failure): the job's next beat stops it
+    ctx.cancelled = True  # the supervisor is leaving (maybe failing): the next beat stops the job
   if "error" in box:
     return ("nan" if isinstance(box["error"], NaNLoss) else
             "stall" if isinstance(box["error"], JobStalled) else "exit"), box
