@@ -148,7 +148,7 @@ def test_malformed_heartbeats_are_logged_missed_beats(tmp_path, job, caplog):
   assert "malformed heartbeat" in caplog.text and "'loss' is missing or not a number" in caplog.text
   # Only malformed beats: no progress, so the job is stopped as stalled (never a crash).
   cmd, pids = job("bad-beats")
-  rep = supervise(cmd, ckpt_dir=tmp_path / "ck2", max_restarts=0, startup_timeout=0.5, poll=0.02)
+  rep = supervise(cmd, ckpt_dir=tmp_path / "ck2", max_restarts=0, startup_timeout=1.5, poll=0.02)
   a = rep.attempts[0]
   assert not rep.success and a.detected == "stall" and a.malformed_beats >= 1, rep.summary()
   _assert_gone(pids)
