@@ -6,6 +6,18 @@ bias, tied embeddings, sliding windows (Mistral: every layer; Qwen2: per ``layer
 A field that would change the computation and is not supported (another activation,
 ``mlp_bias``, dynamic or longrope RoPE, partial rotary, quantization, an unknown key) raises
 ``ConfigError`` naming it.
+
+Policy, as transformers reads the same file: the architecture fields ``vocab_size``,
+``hidden_size``, ``intermediate_size``, ``num_hidden_layers`` and ``num_attention_heads`` are
+required positive ints (transformers would fill in class defaults; here a missing one is an
+error, since the weights' shapes would be checked against a guess); ``num_key_value_heads``,
+``head_dim`` and ``max_position_embeddings`` are positive ints or absent/null. RoPE parameters
+are required where transformers requires them (``factor`` for linear / llama3 / yarn, and the
+llama3 frequency factors and original length) and must be positive numbers. Metadata that
+transformers keeps but that never reaches the forward pass (token ids, names and paths,
+versions, dtypes, output flags, generation defaults, dropout, ``quantization_config`` with
+``quant_method: "gguf"``, which transformers sets on a model it dequantized from a GGUF file)
+is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -22,9 +34,12 @@ ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 # Fields that never change the forward computation (bookkeeping, generation defaults,
 # training-only dropout, generic PretrainedConfig attributes of transformers 4.x and 5.x).
 _HARMLESS = {
-    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "use_cache", "initializer_range", "attention_dropout", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "output_attentions",
+    "_name_or_path", "_model_name_or_path", "name_or_path", "model_name", "_commit_hash",
+    "_attn_implementation", "_attn_implementation_autoset", "architectures", "model_type",
+    "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range",
+    "attention_dropout", "hidden_dropout", "embedding_dropout", "bos_token_id", "eos_token_id",
+    "pad_token_id", "unk_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+    "decoder_start_token_id", "output_attentions", "max_new_tokens", "min_new_tokens",
     "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
     "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "torchscript", "pruned_heads",
     "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
@@ -37,6 +52,8 @@ _HARMLESS = {
     "temperature", "top_k", "top_p", "typical_p", "use_bfloat16", "tf_legacy_loss",
     "max_position_embeddings", "pretraining_tp", "embd_pdrop", "resid_pdrop",
 }
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
 _HANDLED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
@@ -45,38 +62,72 @@ _HANDLED = {
 }
 
 
+def _check_count(key: str, value):
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ConfigError(f"{key}={value!r} must be a positive int")
+
+
+def _number(d: dict[str, Any], key: str, default: float, where: str = "", *,
+            zero_ok: bool = False) -> float:
+  value = d.get(key)
+  if value is None:
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      (0 <= value if zero_ok else 0 < value) and value < float("inf")):
+    raise ConfigError(f"{where}{key}={value!r} must be a {'non-negative' if zero_ok else 'positive'} "
+                      "finite number")
+  return float(value)
+
+
+# Parameters each RoPE type requires (transformers' rope validation refuses a config without them).
+_ROPE_REQUIRED = {"default": (), "linear": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                             "high_freq_factor")}
+
+
 def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
   params = d.get("rope_parameters")
+  src = "rope_parameters"
   if params is None:  # transformers 4.x layout: rope_theta + rope_scaling
-    params = dict(d.get("rope_scaling") or {})
+    src = "rope_scaling"
+    params = d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+      raise ConfigError(f"rope_scaling={params!r} must be an object or null")
+    params = dict(params)
     params.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+  if not isinstance(params, dict):
+    raise ConfigError(f"rope_parameters={params!r} must be an object")
   params = dict(params)
   if "type" in params and "rope_type" not in params:
     params["rope_type"] = params.pop("type")
   kind = params.get("rope_type", "default")
   if kind not in ("default", "linear", "llama3", "yarn"):
-    raise ConfigError(f"rope_parameters.rope_type={kind!r} is not supported (default, linear, "
+    raise ConfigError(f"{src}.rope_type={kind!r} is not supported (default, linear, "
                       "llama3, yarn); it would change the model's positions")
   prf = params.get("partial_rotary_factor", 1.0)
   if prf != 1.0:
-    raise ConfigError(f"rope_parameters.partial_rotary_factor={prf} is not supported (must be 1.0)")
+    raise ConfigError(f"{src}.partial_rotary_factor={prf} is not supported (must be 1.0)")
   known = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings",
            "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
            "mscale", "mscale_all_dim", "truncate", "partial_rotary_factor"}
   unknown = sorted(set(params) - known)
   if unknown:
-    raise ConfigError(f"rope_parameters fields {unknown} are not understood")
+    raise ConfigError(f"{src} fields {unknown} are not understood")
+  missing = [k for k in _ROPE_REQUIRED[kind] if params.get(k) is None]
+  if missing:
+    raise ConfigError(f"{src} with rope_type={kind!r} needs {missing}")
+  where = f"{src}."
   orig = params.get("original_max_position_embeddings")
+  if orig is not None:
+    _check_count(where + "original_max_position_embeddings", orig)
   if kind == "yarn" and orig is None:
     orig = d.get("max_position_embeddings")
-  kw = dict(theta=float(params.get("rope_theta", 10000.0)), kind=kind,
-            factor=float(params.get("factor") or 1.0), original_max_position_embeddings=orig)
-  for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+  kw = dict(theta=_number(params, "rope_theta", 10000.0, where), kind=kind,
+            factor=_number(params, "factor", 1.0, where), original_max_position_embeddings=orig)
+  for name in ("low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+               "mscale", "mscale_all_dim"):  # yarn: 0 betas / mscales are meaningful
     if params.get(name) is not None:
-      kw[name] = float(params[name])
-  for name in ("attention_factor", "mscale", "mscale_all_dim"):
-    if params.get(name) is not None:
-      kw[name] = float(params[name])
+      kw[name] = _number(params, name, 0.0, where, zero_ok=name.startswith(("beta", "mscale")))
   if params.get("truncate") is not None:
     kw["truncate"] = bool(params["truncate"])
   return RopeConfig(**kw)
@@ -98,12 +149,23 @@ def config_from_hf(d: dict[str, Any], *, strict: bool = True) -> DecoderConfig:
     raise ConfigError(f"hidden_act={d['hidden_act']!r} is not supported (SwiGLU with silu only)")
   if d.get("mlp_bias"):
     raise ConfigError("mlp_bias=True is not supported")
-  if d.get("quantization_config"):
-    raise ConfigError("quantization_config is not supported: load an unquantized checkpoint")
+  quant = d.pop("quantization_config", None)
+  if quant and not (isinstance(quant, dict) and quant.get("quant_method") == "gguf"):
+    # A GGUF marker only says where dense weights came from; packed GGUF blocks would still
+    # fail the weight shape / dtype checks. Any other method needs its own dequantization.
+    raise ConfigError(f"quantization_config={quant!r:.200} is not supported: load an unquantized "
+                      "(or GGUF-dequantized) checkpoint")
   unknown = sorted(set(d) - _HARMLESS - _HANDLED)
   if unknown and strict:
     raise ConfigError(f"config fields {unknown} are not understood and may change the math; "
                       "pass strict=False to ignore them")
+  for key in _REQUIRED:
+    if key not in d:
+      raise ConfigError(f"config has no {key!r}: the {sorted(_REQUIRED)} fields are required")
+    _check_count(key, d[key])
+  for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+    if d.get(key) is not None:
+      _check_count(key, d[key])
   heads = d["num_attention_heads"]
   qkv_bias = o_bias = False
   if arch == "qwen2":
@@ -116,7 +178,7 @@ def config_from_hf(d: dict[str, Any], *, strict: bool = True) -> DecoderConfig:
       intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
       num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
       head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope=_rope_from_hf(d),
+      rms_norm_eps=_number(d, "rms_norm_eps", 1e-6), rope=_rope_from_hf(d),
       qkv_bias=qkv_bias, o_bias=o_bias, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
       sliding_window=window, layer_types=layer_types,
       max_position_embeddings=int(d.get("max_position_embeddings") or 2048), arch=arch,

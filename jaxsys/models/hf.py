@@ -3,12 +3,20 @@
 * :func:`from_pretrained` reads a local directory (``config.json`` + ``model.safetensors`` or a
   sharded ``model.safetensors.index.json``) with numpy only: no torch, no network.
 * :func:`from_hf_model` converts an in-memory ``transformers`` model (torch).
-* :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM`` loads.
+* :func:`save_pretrained` writes a directory that ``transformers.AutoModelForCausalLM`` loads,
+  atomically: a crash at any moment leaves either the previous model or the new one at ``path``.
 * :func:`random_model` builds a model with random weights from a ``transformers`` config (or a
   ``DecoderConfig``), for tests that must not download anything.
 
 Any mismatch is an error naming the key: unsupported config fields (``ConfigError``), missing
 or unexpected weights, shapes or dtypes (``InputError`` / ``ShapeError``).
+
+What is checked on load, before any weight data is read: ``config.json`` and the shard index are
+valid JSON objects; every config field is understood (``_hf_config``); every safetensors file
+has a sane header whose tensors tile its data exactly (``_safetensors``: what the safetensors
+library accepts); the weight names, shapes and float dtypes match the config. Not checked: the
+values themselves (a NaN or a flipped bit inside a tensor loads as is; safetensors has no
+checksum).
 
 Usage::
 
@@ -18,8 +26,18 @@ Usage::
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
+import hashlib
 import json
 import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsys.core.errors import InputError, ShapeError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.models import _safetensors as st
-from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.models._decoder_config import DTYPES, DecoderConfig
 from jaxsys.models._hf_config import config_from_hf, config_to_hf
 from jaxsys.models.decoder import Decoder
 
@@ -39,6 +57,14 @@ __all__ = ["from_pretrained", "from_hf_model", "save_pretrained", "random_model"
 
 # Buffers some transformers versions store that carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Weight files (any format, sharded or not, and their indexes) of a previous save into the same
+# directory: a new save replaces them all, so no stale weights can be loaded afterwards.
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d{5}-of-\d{5})?"
+                          r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
 
 
 def _weight_map(c: DecoderConfig):
@@ -162,14 +188,26 @@ def read_config(path: str | os.PathLike, *, strict: bool = True) -> DecoderConfi
   if not cfg_path.exists():
     raise InputError(f"{cfg_path} does not exist: from_pretrained needs a local Hugging Face "
                      "directory with config.json")
-  return config_from_hf(json.loads(cfg_path.read_text()), strict=strict)
+  return config_from_hf(_read_json(cfg_path), strict=strict)
+
+
+def _read_json(path: Path) -> dict:
+  try:
+    d = json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise InputError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(d, dict):
+    raise InputError(f"{path} holds a JSON {type(d).__name__}, expected an object")
+  return d
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, st.TensorInfo]:
-  index = path / "model.safetensors.index.json"
-  single = path / "model.safetensors"
+  index = path / INDEX_NAME
+  single = path / WEIGHTS_NAME
   if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+      raise InputError(f"{index}: weight_map must be an object mapping weight names to file names")
     headers = {f: st.read_header(path / f) for f in sorted(set(weight_map.values()))}
     tensors = {}
     for name, f in weight_map.items():
@@ -179,7 +217,7 @@ def _checkpoint_tensors(path: Path) -> dict[str, st.TensorInfo]:
     return tensors
   if single.exists():
     return st.read_header(single)
-  raise InputError(f"{path} has neither model.safetensors nor model.safetensors.index.json "
+  raise InputError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME} "
                    "(pytorch_model.bin is not read: convert it with from_hf_model)")
 
 
@@ -207,35 +245,209 @@ def from_hf_model(torch_model, dtype=None, *, strict: bool = True,
   return load_state_dict(config, tensors, attention_fn=attention_fn)
 
 
+def _save_dtype(dtype, default: str) -> np.dtype:
+  try:
+    out = jnp.dtype(dtype if dtype is not None else default)
+  except TypeError:
+    raise ConfigError(f"{dtype=} is not a dtype; save_pretrained writes one of {DTYPES}") from None
+  if out.name not in DTYPES:
+    raise ConfigError(f"dtype={out.name!r} cannot be saved: weights are written as one of {DTYPES} "
+                      "(a cast to an integer or quantized dtype would destroy them)")
+  return out
+
+
 def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype=None,
                     max_shard_bytes: int | None = None) -> Path:
-  """Writes ``config.json`` + safetensors (sharded above ``max_shard_bytes``) for transformers."""
-  path = Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  out_dtype = jnp.dtype(dtype or model.config.param_dtype)
+  """Writes ``config.json`` + safetensors (sharded above ``max_shard_bytes``) for transformers.
+
+  ``dtype`` (default: the model's ``param_dtype``) is one of float32 / bfloat16 / float16.
+  The save is atomic: everything is written (and fsynced) into a hidden sibling directory that
+  then takes the place of ``path`` in one rename, so at every instant ``path`` holds either the
+  previous model or the new one, complete; a save killed at any point leaves the previous model
+  loadable, and its temporary directory is removed by the next save to that path. The new
+  directory holds only this save's config and weights, plus the files of the previous ``path``
+  that are neither (tokenizer, generation config, ...), which are kept.
+  """
+  out_dtype = _save_dtype(dtype, model.config.param_dtype)
   config = config_to_hf(model.config, torch_dtype=out_dtype.name)
   tensors = hf_state_dict(model, out_dtype)
-  (path / "config.json").write_text(json.dumps(config, indent=2))
-  if max_shard_bytes is None or sum(t.nbytes for t in tensors.values()) <= max_shard_bytes:
-    st.write_file(path / "model.safetensors", tensors)
-    return path
+  total = sum(t.nbytes for t in tensors.values())
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name, t in tensors.items():
-    if shards[-1] and size + t.nbytes > max_shard_bytes:
+    if max_shard_bytes is not None and shards[-1] and size + t.nbytes > max_shard_bytes:
       shards.append({})
       size = 0
     shards[-1][name] = t
     size += t.nbytes
-  weight_map = {}
-  for i, shard in enumerate(shards):
-    fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    st.write_file(path / fname, shard)
-    weight_map.update({k: fname for k in shard})
-  index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
-           "weight_map": weight_map}
-  (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-  return path
+
+  def write(tmp: Path):
+    _write_json(tmp / CONFIG_NAME, config)
+    if len(shards) == 1:
+      st.write_file(tmp / WEIGHTS_NAME, tensors)
+      return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      st.write_file(tmp / fname, shard)
+      weight_map.update({k: fname for k in shard})
+    _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": int(total)}, "weight_map": weight_map})
+
+  _replace_dir(Path(path), write, keep=lambda name: not _WEIGHT_FILE.fullmatch(name)
+               and name != CONFIG_NAME)
+  return Path(path)
+
+
+def _write_json(path: Path, obj):
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(json.dumps(obj, indent=2))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# --- atomic directory replacement --------------------------------------------------------------
+# The new directory is written beside the target, under a hidden name that records the writer's
+# host and pid (".{name}.tmp-{host}-{pid}-{token}"), then swapped with the target in one atomic
+# rename: renameat2(RENAME_EXCHANGE) on Linux, renamex_np(RENAME_SWAP) on macOS. Where neither
+# exists (or the filesystem refuses it) two renames are used instead: target -> ".{name}.old-...",
+# then tmp -> target; a crash between them leaves the previous model under the .old name, and the
+# next save moves it back before it starts. Leftovers of dead writers on this host are removed by
+# the next save; those of live writers are left alone, so concurrent saves do not collide.
+
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _side_stem(target: Path) -> str:
+  name = target.name
+  return name if len(name) <= 96 else hashlib.sha1(name.encode()).hexdigest()[:16]
+
+
+def _side_path(target: Path, kind: str) -> Path:
+  return target.parent / f".{_side_stem(target)}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _alive(pid: int) -> bool:
+  if os.name == "nt" or pid == os.getpid():  # (on Windows, os.kill(pid, 0) is not a probe)
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:  # EPERM: alive, owned by someone else
+    return True
+  return True
+
+
+def _clean_leftovers(target: Path):
+  pattern = re.compile(rf"\.{re.escape(_side_stem(target))}\.(tmp|old)-([0-9a-f]{{8}})-(\d+)-[0-9a-f]+")
+  for entry in os.scandir(target.parent):
+    m = pattern.fullmatch(entry.name)
+    if m is None or m[2] != _HOST or _alive(int(m[3])):
+      continue
+    if m[1] == "old" and not os.path.lexists(target):  # killed between the two fallback renames
+      os.rename(entry.path, target)
+    else:
+      shutil.rmtree(entry.path, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _exchange_fn():
+  """(c function, flag, takes dir fds) swapping two paths atomically, or None."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+  except OSError:
+    return None
+  if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+    fn = libc.renameat2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn, 2, True        # RENAME_EXCHANGE
+  if sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+    fn = libc.renamex_np
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+    return fn, 2, False       # RENAME_SWAP
+  return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+  """Atomically swaps the directory entries ``a`` and ``b``; False where the OS cannot."""
+  found = _exchange_fn()
+  if found is None:
+    return False
+  fn, flag, at = found
+  args = (-100, os.fsencode(a), -100, os.fsencode(b), flag) if at else \
+      (os.fsencode(a), os.fsencode(b), flag)  # -100: AT_FDCWD
+  if fn(*args) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
+def _fsync_dir(path: Path):
+  if os.name == "nt":
+    return
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _link_or_copy(src: str, dst: str):
+  if os.path.islink(src):
+    os.symlink(os.readlink(src), dst)
+    return
+  try:
+    os.link(src, dst)
+  except OSError:
+    if not stat.S_ISREG(os.lstat(src).st_mode):
+      raise InputError(f"{src} is not a regular file; save_pretrained cannot keep it") from None
+    shutil.copy2(src, dst)
+
+
+def _carry_over(src: Path, dst: Path, keep: Callable[[str], bool]):
+  for entry in os.scandir(src):
+    if not keep(entry.name):
+      continue
+    s, d = entry.path, os.path.join(dst, entry.name)
+    if entry.is_dir(follow_symlinks=False):
+      shutil.copytree(s, d, symlinks=True, copy_function=_link_or_copy)
+    else:
+      _link_or_copy(s, d)
+
+
+def _replace_dir(path: Path, write: Callable[[Path], None], keep: Callable[[str], bool]):
+  """Puts at ``path`` a directory made by ``write(tmp)``, plus the entries of the previous
+  ``path`` whose names pass ``keep``, in one atomic step (see the comment above)."""
+  target = Path(os.path.realpath(path))  # a symlinked target: replace what it points to
+  if os.path.lexists(target) and not target.is_dir():
+    raise InputError(f"{path} exists and is not a directory")
+  target.parent.mkdir(parents=True, exist_ok=True)
+  _clean_leftovers(target)
+  tmp = _side_path(target, "tmp")
+  os.mkdir(tmp)
+  try:
+    if target.is_dir():
+      shutil.copymode(target, tmp)
+      _carry_over(target, tmp, keep)
+    write(tmp)
+    _fsync_dir(tmp)
+    if not target.exists():
+      os.rename(tmp, target)
+    elif not _exchange(tmp, target):
+      old = _side_path(target, "old")
+      os.rename(target, old)
+      try:
+        os.rename(tmp, target)
+      except BaseException:
+        os.rename(old, target)
+        raise
+      tmp = old
+    # Now tmp holds the previous model (or nothing); the new one is at target.
+    _fsync_dir(target.parent)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def random_model(config, seed: int = 0, dtype=None, *, attention_fn: Callable | None = None,
