@@ -3,7 +3,9 @@
 The model is a 2-layer MLP regressing a fixed random teacher; the batch of step ``s`` is drawn
 from ``fold_in(PRNGKey(seed), s)``, so the data order is keyed by step and a run resumed from
 a checkpoint of (params, full optax state, step) continues bit-for-bit like an uninterrupted
-one. Checkpoints are written by ``orbax.checkpoint.CheckpointManager`` with async saving.
+one. Checkpoints are written every ``ckpt_every`` steps by :class:`jaxsys.core.checkpoint.Checkpointer`
+(orbax, async saving, a verified manifest per step); a run resumes from the newest *intact*
+checkpoint, so a corrupted or half-written newest one falls back to the one before it.
 
 Each step reports a heartbeat ``{"step", "loss", "restored", "time"}`` (a JSON file written
 atomically, or a callback in-process). A :class:`FailureInjector` fires injected failures
@@ -181,20 +183,20 @@ def train(cfg: DemoConfig, heartbeat=None, injector: FailureInjector | None = No
   import jax
   import jax.numpy as jnp
   import numpy as np
-  import orbax.checkpoint as ocp
+
+  from jaxsys.core.checkpoint import Checkpointer
 
   init, opt, step_fn = _model(cfg)
   params = init(jax.random.PRNGKey(cfg.seed))
   state = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
-  options = ocp.CheckpointManagerOptions(save_interval_steps=cfg.ckpt_every,
-                                         max_to_keep=cfg.max_to_keep,
-                                         enable_async_checkpointing=True)
-  mngr = ocp.CheckpointManager(os.path.abspath(cfg.ckpt_dir), options=options)
+  ckpt = Checkpointer(os.path.abspath(cfg.ckpt_dir), max_to_keep=cfg.max_to_keep)
   restored = 0
   try:
-    latest = mngr.latest_step()
+    # Newer steps that are not intact (corrupted, or their save never completed) are logged
+    # and skipped; with none intact the run starts over.
+    latest = ckpt.latest_intact_step()
     if latest is not None:
-      state = mngr.restore(latest, args=ocp.args.StandardRestore(state))
+      state = ckpt.restore(latest, like=state)
       restored = int(state["step"])
       log(f"restored checkpoint at step {restored}")
     p, o = state["params"], state["opt_state"]
@@ -216,14 +218,14 @@ def train(cfg: DemoConfig, heartbeat=None, injector: FailureInjector | None = No
       if heartbeat is not None:
         heartbeat(step, loss, restored)
       # Checkpoint holds the state *after* `step` updates (params, full optimizer state, step).
-      mngr.save(step, args=ocp.args.StandardSave(
-          {"params": p, "opt_state": o, "step": jnp.asarray(step, jnp.int32)}))
-    mngr.wait_until_finished()
+      if step % cfg.ckpt_every == 0:
+        ckpt.save(step, {"params": p, "opt_state": o, "step": jnp.asarray(step, jnp.int32)},
+                  wait=False)
+    ckpt.wait_until_finished()
     return {"params": jax.tree.map(np.asarray, p), "step": cfg.steps, "restored": restored,
             "losses": losses}
   finally:
-    mngr.wait_until_finished()
-    mngr.close()
+    ckpt.close()  # waits for a pending save and writes its manifest
 
 
 class FileHeartbeat:

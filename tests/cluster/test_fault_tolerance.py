@@ -117,3 +117,23 @@ def test_injector_and_prune(tmp_path):
   for s in (4, 8, 12):
     (tmp_path / "ck" / str(s)).mkdir(parents=True)
   assert prune_checkpoints(tmp_path / "ck", 8) == [12]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupted_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, reference, damage):
+  ck = tmp_path / "ck"
+  train(DemoConfig(ckpt_dir=str(ck), steps=8, ckpt_every=4), log=lambda m: None)
+  biggest = max((p for p in (ck / "8").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  data = bytearray(biggest.read_bytes())
+  if damage == "flip":
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only a content check sees it
+  else:
+    del data[len(data) // 2:]  # a half-written file
+  biggest.write_bytes(bytes(data))
+  fn = lambda ctx: train(DemoConfig(ckpt_dir=ctx.ckpt_dir, steps=24, ckpt_every=4),  # noqa: E731
+                         heartbeat=ctx.heartbeat, log=ctx.log)
+  rep = supervise(fn, ckpt_dir=ck, heartbeat_timeout=120)
+  assert rep.success and len(rep.attempts) == 1, rep.summary()
+  assert rep.attempts[0].restored_step == 4
+  for k, v in reference["params"].items():
+    np.testing.assert_array_equal(rep.result["params"][k], v)  # resumed from step 4, bit for bit
