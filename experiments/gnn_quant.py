@@ -138,7 +138,7 @@ def _bits_vs_degree(deg, learned, out):
 
 
 def _packing_section(ds, best):
-  from jaxsys.ops.quantized_aggregate import (aggregate, plan_aggregation,
+  from jaxsys.ops.quantized_agg import (aggregate, plan_aggregation,
                                               quantized_aggregate)
   from jaxsys.quant import a2q
   from jaxsys.quant.mega import condensed_edge_order, destination_order, source_row_loads

@@ -29,7 +29,7 @@ from jaxsys import graphs as G  # noqa: E402
 from jaxsys.core.bench import compiled_memory, time_fn  # noqa: E402
 from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
 from jaxsys.nn.graph import GraphAttention, graph_inputs  # noqa: E402
-from jaxsys.ops import graph_attention as GA  # noqa: E402
+from jaxsys.ops import graph_attn as GA  # noqa: E402
 
 NAME = "torchgt"
 HEADS, HEAD_DIM = 4, 16

@@ -1,7 +1,7 @@
 """Pallas kernel: masked dense attention on the tiles of a reordered graph (ECR dense blocks).
 
-XLA twin: ``jaxsys.ops.graph_attention._tile_partials_xla`` (used by
-``jaxsys.ops.graph_attention.tile_graph_attention(..., impl="xla")``).
+XLA twin: ``jaxsys.ops.graph_attn._tile_partials_xla`` (used by
+``jaxsys.ops.graph_attn.tile_graph_attention(..., impl="xla")``).
 
 Input tiles are gathered by the caller: ``qt, kt, vt [T, B, H, D]`` (query block ``rows[t]``,
 key block ``cols[t]``) and the adjacency bits ``[T, B, B]``. One program per (tile, head)

@@ -1,6 +1,6 @@
 """Pallas kernel: dequantize-on-load sparse aggregation of one bitwidth group of packed features.
 
-XLA twin: ``jaxsys.ops.quantized_aggregate._xla_group`` (called through
+XLA twin: ``jaxsys.ops.quantized_agg._xla_group`` (called through
 ``jaxsys.ops.quantized_aggregate(..., impl="xla")``).
 
 Each program owns ``block_nodes`` destination rows. For every row it walks that row's incoming
@@ -110,7 +110,7 @@ def group_aggregate(words, scales, ge, *, bits: int, num_features: int, signed: 
                     num_nodes: int, block: AggregateBlock | None = None, interpret: bool = False):
   """One group's contribution ``[N, F]``: pads to power-of-two shapes, runs the kernel, reshapes.
 
-  ``ge`` is a ``jaxsys.ops.quantized_aggregate.GroupEdges`` (edges sorted by destination).
+  ``ge`` is a ``jaxsys.ops.quantized_agg.GroupEdges`` (edges sorted by destination).
   """
   block = block or AggregateBlock()
   bn = block.block_nodes

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, GATConv, GCNConv, GINConv,
                                  QuantLinear, WeightQuantizer)
-from jaxsys.ops.quantized_aggregate import normalized_edges
+from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant import a2q
 from jaxsys.quant.random import hash_dropout
 

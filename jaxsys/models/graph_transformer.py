@@ -50,7 +50,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
-from jaxsys.ops.graph_attention import segment_softmax
+from jaxsys.ops.graph_attn import segment_softmax
 
 ATTENTION = ("sparse", "dense", "dual")
 TOPOLOGY = ("sparse", "reformed", "block")

@@ -26,7 +26,7 @@ from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.graphs.blocks import ReformConfig, reform
 from jaxsys.graphs.dataset import check_graph, degrees
 from jaxsys.graphs.padding import node_mask as padding_node_mask
-from jaxsys.ops.graph_attention import GraphTiles, graph_attention
+from jaxsys.ops.graph_attn import GraphTiles, graph_attention
 
 
 class GraphInputs(NamedTuple):
@@ -98,7 +98,7 @@ def attend(q, k, v, inputs: GraphInputs, mode: str, *, impl: str = "auto"):
 class GraphAttention(nnx.Module):
   """Multi-head attention over a graph: q/k/v projections, ``graph_attention``, output projection.
 
-  ``mode`` (per call): "sparse" (topology, equation (1) of ``jaxsys.ops.graph_attention``),
+  ``mode`` (per call): "sparse" (topology, equation (1) of ``jaxsys.ops.graph_attn``),
   "reformed" (same result via dense tiles + edges), "block" (tiles only), "dense" (global,
   within each graph, padding hidden).
   """

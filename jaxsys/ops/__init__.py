@@ -8,10 +8,10 @@ from jaxsys._lazy import lazy_exports
 
 _getattr, __dir__ = lazy_exports(__name__, {
     "masks": "masks",
-    "sparse_graph_attention": "graph_attention",
-    "graph_attention": "graph_attention",
-    "segment_softmax": "graph_attention",
-    "quantized_aggregate": "quantized_aggregate",
+    "sparse_graph_attention": "graph_attn",
+    "graph_attention": "graph_attn",
+    "segment_softmax": "graph_attn",
+    "quantized_aggregate": "quantized_agg",
     "paged_decode_attention": "paged_attention",
     "check_ids": "ids",
     "checked": "ids",

@@ -40,7 +40,7 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset, degrees
 from jaxsys.graphs.partition import metis_partition
 from jaxsys.nn.graph import GraphInputs
-from jaxsys.ops.graph_attention import sparse_graph_attention
+from jaxsys.ops.graph_attn import sparse_graph_attention
 
 DENSE_STRATEGIES = ("ring", "ulysses", "allgather")
 

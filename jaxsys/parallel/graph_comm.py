@@ -37,7 +37,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
-from jaxsys.ops.quantized_aggregate import normalized_edges
+from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
 from jaxsys.quant.random import hash_dropout
 

@@ -12,7 +12,7 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
                                              _sparse_attention_dropout, add_virtual_node,
                                              laplacian_pe, train_node_classifier)
-from jaxsys.ops.graph_attention import graph_attention
+from jaxsys.ops.graph_attn import graph_attention
 from jaxsys.nn.graph import graph_inputs
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from jaxsys import graphs as G
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
-from jaxsys.ops import graph_attention as GA
+from jaxsys.ops import graph_attn as GA
 from jaxsys.ops import masks
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.ops import quantized_aggregate
-from jaxsys.ops.quantized_aggregate import aggregate, plan_aggregation
+from jaxsys.ops.quantized_agg import aggregate, plan_aggregation
 from jaxsys.quant.packing import dequantize, pack_features
 
 

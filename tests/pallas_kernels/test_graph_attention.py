@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.ops.graph_attention import _tile_partials_xla
+from jaxsys.ops.graph_attn import _tile_partials_xla
 from pallas_kernels.graph_attention import (TileBlocks, tile_attention, tile_attention_bwd_call,
                                             tile_attention_fwd_call)
 
@@ -44,7 +44,7 @@ def test_interpret_matches_xla_twin_forward_and_grad(blocks):
 
 def test_tile_graph_attention_pallas_interpret_path():
   from jaxsys import graphs as G
-  from jaxsys.ops import graph_attention as GA
+  from jaxsys.ops import graph_attn as GA
   ds = G.sbm_graph(60, num_classes=2, num_communities=2, avg_degree=6, seed=0)
   rg = G.reform(ds.senders, ds.receivers, ds.num_nodes, G.ReformConfig(16, 0.0))
   tiles = GA.GraphTiles.from_reformed(rg)

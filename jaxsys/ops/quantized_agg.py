@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -215,13 +213,3 @@ def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: s
     out = out + part
   return out
 
-
-class _CallableModule(types.ModuleType):
-  """Importing this submodule rebinds ``jaxsys.ops.quantized_aggregate`` to the module; making
-  the module callable keeps ``jaxsys.ops.quantized_aggregate(...)`` the op either way."""
-
-  def __call__(self, *args, **kwargs):
-    return quantized_aggregate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
