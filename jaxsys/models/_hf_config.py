@@ -22,6 +22,7 @@ is accepted and ignored.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from jaxsys.core.errors import ConfigError
@@ -62,9 +63,10 @@ _HANDLED = {
 }
 
 
-def _check_count(key: str, value):
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+def _check_count(key: str, value) -> int:
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
     raise ConfigError(f"{key}={value!r} must be a positive int")
+  return int(value)
 
 
 def _number(d: dict[str, Any], key: str, default: float, where: str = "", *,
@@ -72,7 +74,7 @@ def _number(d: dict[str, Any], key: str, default: float, where: str = "", *,
   value = d.get(key)
   if value is None:
     return default
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
       (0 <= value if zero_ok else 0 < value) and value < float("inf")):
     raise ConfigError(f"{where}{key}={value!r} must be a {'non-negative' if zero_ok else 'positive'} "
                       "finite number")
@@ -119,7 +121,7 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
   where = f"{src}."
   orig = params.get("original_max_position_embeddings")
   if orig is not None:
-    _check_count(where + "original_max_position_embeddings", orig)
+    orig = _check_count(where + "original_max_position_embeddings", orig)
   if kind == "yarn" and orig is None:
     orig = d.get("max_position_embeddings")
   kw = dict(theta=_number(params, "rope_theta", 10000.0, where), kind=kind,
@@ -162,10 +164,10 @@ def config_from_hf(d: dict[str, Any], *, strict: bool = True) -> DecoderConfig:
   for key in _REQUIRED:
     if key not in d:
       raise ConfigError(f"config has no {key!r}: the {sorted(_REQUIRED)} fields are required")
-    _check_count(key, d[key])
+    d[key] = _check_count(key, d[key])
   for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
     if d.get(key) is not None:
-      _check_count(key, d[key])
+      d[key] = _check_count(key, d[key])
   heads = d["num_attention_heads"]
   qkv_bias = o_bias = False
   if arch == "qwen2":

@@ -402,6 +402,7 @@ def test_metadata_fields_are_accepted_math_fields_refused():
            "torch_dtype": "bfloat16", "output_scores": False, "max_new_tokens": 32,
            "temperature": 0.7, "_commit_hash": "abc"}
   assert M.config_from_hf({**SMOL_GGUF, **extra}) == c
+  assert M.config_from_hf({**SMOL_GGUF, "vocab_size": np.int64(49152)}) == c  # numpy ints count
   for field, value in [("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
                        ("quantization_config", {"quant_method": "fp8"}),
                        ("logit_softcapping", 30.0), ("auto_map", {"AutoModel": "x.Y"}),
