@@ -1,15 +1,21 @@
 """The ``jaxsys`` command.
 
-  jaxsys info                                  JAX version, devices, available implementations
+  jaxsys --version                             the installed version
+  jaxsys info                                  version, JAX version, devices, available implementations
   jaxsys reproduce [--quick] [--only NAME ...] [--out DIR]
                                                run registered experiments, print a table, write runs/
   jaxsys serve ...                             sparse-attention serving engine on a prompt file
   jaxsys cluster ...                           scheduler simulator sweeps and trace summaries
+
+Subcommands come from the functions in :data:`REGISTRARS`; each takes the ``jaxsys`` subparsers
+and adds its commands, either a parser with ``set_defaults(fn=...)`` (``fn(args) -> exit code``)
+or, through :func:`add_forwarded`, a command whose own module parses the rest of the command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -18,9 +24,20 @@ import time
 from pathlib import Path
 
 
+def version() -> str:
+  """The installed distribution's version, or the source tree's ``jaxsys.__version__``."""
+  from importlib import metadata
+  try:
+    return metadata.version("jaxsys")
+  except metadata.PackageNotFoundError:
+    import jaxsys
+    return jaxsys.__version__
+
+
 def _info(_args) -> int:
   import jax
   from jaxsys.ops.attention import api
+  print(f"jaxsys {version()}")
   print(f"jax {jax.__version__} ({jax.default_backend()})")
   for d in jax.devices():
     print(f"  device: {d}")
@@ -123,33 +140,61 @@ def _reproduce(args) -> int:
   return 0 if all(not r.get("error") for r in results) else 1
 
 
-def _delegate(module: str):
-  def run(args) -> int:
-    import importlib
-    return importlib.import_module(module).main(args.rest) or 0
-  return run
+def add_forwarded(sub, name: str, module: str, help_: str) -> None:
+  """Registers ``jaxsys NAME ...``: everything after NAME goes untouched to ``module.main(argv)``
+  (its own parser, help and exit codes). The parser added here only lists NAME in ``jaxsys --help``:
+  :func:`main` dispatches on NAME before the top-level parser sees the rest, so leading options,
+  ``--help`` and ``--`` reach the module as typed."""
+  sub.add_parser(name, help=help_, add_help=False).set_defaults(forward=module)
 
 
-def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="jaxsys", description="jaxsys: efficient ML systems in JAX")
-  sub = p.add_subparsers(dest="command", required=True)
-  sub.add_parser("info", help="JAX version, devices and available implementations").set_defaults(fn=_info)
+def _register_core(sub) -> None:
+  sub.add_parser("info", help="version, JAX version, devices and available implementations"
+                 ).set_defaults(fn=_info)
   r = sub.add_parser("reproduce", help="run the registered experiments and print a table")
   r.add_argument("--quick", action="store_true", help="small sizes: minutes on 2 CPU cores")
   r.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments")
   r.add_argument("--out", default="runs", help="output folder (default: runs)")
   r.add_argument("--timeout", type=float, default=None, help="seconds per experiment")
   r.set_defaults(fn=_reproduce)
-  for name, module, help_ in (("serve", "jaxsys.serving.cli", "serve prompts with the LServe engine"),
-                              ("cluster", "jaxsys.cluster.cli", "cluster scheduling tools")):
-    s = sub.add_parser(name, help=help_, add_help=False)
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(fn=_delegate(module))
+
+
+def _register_forwarded(sub) -> None:
+  add_forwarded(sub, "serve", "jaxsys.serving.cli", "serve prompts with the LServe engine")
+  add_forwarded(sub, "cluster", "jaxsys.cluster.cli", "cluster scheduling tools")
+
+
+#: Functions ``register(subparsers)`` that add the ``jaxsys`` subcommands, in ``--help`` order.
+#: Registering must stay cheap (no JAX import): import heavy modules inside the command itself.
+REGISTRARS = [_register_core, _register_forwarded]
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxsys", description="jaxsys: efficient ML systems in JAX")
+  p.add_argument("--version", action="version", version=f"jaxsys {version()}")
+  sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  for register in REGISTRARS:
+    register(sub)
   return p
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str):
+  for action in parser._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      return action.choices.get(name)
+  return None
+
+
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser()
+  sub = _subcommand(parser, argv[0]) if argv else None
+  module = None if sub is None else sub.get_default("forward")
+  if module is not None:
+    # The module's exit code (or its SystemExit) passes through unchanged.
+    rc = importlib.import_module(module).main(argv[1:])
+    return 0 if rc is None else rc
+  args = parser.parse_args(argv)
   return args.fn(args)
 
 

@@ -1,8 +1,16 @@
+import importlib
+import json
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import pytest
+
+import jaxsys
 from jaxsys import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,3 +43,72 @@ def test_table_reports_failures():
 
 def test_reproduce_rejects_unknown(capsys):
   assert cli.main(["reproduce", "--only", "nope"]) == 2
+
+
+def _console_script() -> str:
+  """The installed ``jaxsys`` entry point (the venv's, else the one on PATH)."""
+  script = Path(sys.executable).with_name("jaxsys")
+  found = str(script) if script.exists() else shutil.which("jaxsys")
+  assert found, "the jaxsys console script is not installed (pip install -e .)"
+  return found
+
+
+def _run(*args):
+  return subprocess.run([_console_script(), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_console_script_help_version_and_exit_codes():
+  """Leading options and --help reach the forwarded subcommand; its exit code comes back."""
+  out = _run("--version")
+  assert out.returncode == 0 and out.stdout.strip() == f"jaxsys {cli.version()}"
+  for command, usage in (("serve", "--prompts PROMPTS"), ("cluster", "summary")):
+    out = _run(command, "--help")
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: jaxsys {command}"), out.stderr
+    assert usage in out.stdout
+  out = _run("cluster", "no-such-command")
+  assert out.returncode == 2 and "no-such-command" in out.stderr
+
+
+def test_console_script_serves_the_tiny_model(tmp_path):
+  f = tmp_path / "p.jsonl"
+  f.write_text("[5, 6, 7, 8]\n" + json.dumps({"tokens": [9, 10, 11], "max_new_tokens": 2}) + "\n")
+  out = _run("serve", "--prompts", str(f), "--model", "tiny", "--dense", "--max-new-tokens", "3",
+             "--page-size", "16", "--logical-page", "4", "--budget", "64", "--num-pages", "16",
+             "--max-batch", "2", "--out", str(tmp_path / "out.jsonl"))
+  assert out.returncode == 0, out.stderr
+  rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+  assert [r["index"] for r in rows] == [0, 1] and all(r["error"] is None for r in rows)
+  assert 1 <= len(rows[0]["tokens"]) <= 3 and 1 <= len(rows[1]["tokens"]) <= 2
+  assert "served 2 prompts (0 rejected)" in out.stderr
+
+
+def _readme_commands():
+  """Every concrete ``jaxsys ...`` command line of README.md (code blocks and inline code)."""
+  readme = (ROOT / "README.md").read_text()
+  found = re.findall(r"(?:^|&& |`)(jaxsys [^`&\n]*)", readme, re.M)
+  cmds = {c.strip() for c in found if "..." not in c and "[" not in c}
+  return sorted(shlex.split(c, comments=True) for c in cmds)
+
+
+def test_readme_commands_reach_their_subcommand_untouched(monkeypatch):
+  cmds = _readme_commands()
+  assert {c[1] for c in cmds} >= {"reproduce", "info", "serve", "cluster"}
+  seen = []
+  fake = types.SimpleNamespace(main=lambda argv: seen.append(argv) or 3)
+  import jaxsys.serving.cli as serve_cli
+  monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+  for argv in cmds:
+    if argv[1] in ("serve", "cluster"):
+      assert cli.main(argv[1:]) == 3 and seen[-1] == argv[2:]  # the exit code passes through
+      if argv[1] == "serve":
+        serve_cli.build_parser().parse_args(argv[2:])
+    else:
+      cli.build_parser().parse_args(argv[1:])
+
+
+def test_info_shows_the_version(capsys):
+  assert cli.main(["info"]) == 0
+  assert f"jaxsys {jaxsys.__version__}" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    cli.main(["--version"])
+  assert capsys.readouterr().out.strip() == f"jaxsys {cli.version()}"

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-new-tokens", type=int, default=32)
   p.add_argument("--max-batch", type=int, default=4)
   p.add_argument("--num-pages", type=int, default=512)
-  p.add_argument("--max-seq-len", type=int, default=8192)
+  p.add_argument("--max-seq-len", type=int, default=None,
+                 help="prompt + new tokens of a request (default: the pool, num-pages x page-size; "
+                      "never beyond the model's context length)")
   p.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
                       token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
                       window=args.window, kv_int8=args.kv_int8)
     cfg = EngineConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
-                       max_seq_len=args.max_seq_len)
+                       max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
+                       else args.max_seq_len)
     streaming = None
     if args.gates and not args.dense:
       gates = StreamingGates.load(args.gates)

@@ -13,9 +13,12 @@ reuses it (LServe reuses a selection for ``reuse_steps`` steps).
   ``token_budget``; streaming heads (``streaming`` flags ``bool[layers, kv_heads]``, e.g. from
   ``streaming.identify_streaming_heads``) read sink + local pages.
 
-A request that can never fit (prompt + new tokens beyond ``max_seq_len`` or the page pool) is
-rejected with a message in ``result.errors`` while the others are served; one that does not fit
-*now* waits for pages to be freed.
+A request that can never fit (prompt + new tokens beyond ``max_seq_len``, the model's context
+length or the page pool) is rejected with a message in ``result.errors`` while the others are
+served; one that does not fit *now* waits for pages to be freed.
+
+An exception or ``KeyboardInterrupt`` at any point of ``generate`` propagates after every page of
+the call went back to the pool (as vLLM aborts a request): the engine stays usable.
 
 Usage::
 
@@ -39,14 +42,19 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.serving import lserve as lserve_lib
-from jaxsys.serving.generate import Sampling, _check_prompts, bucket, sample_tokens
+from jaxsys.serving.generate import (Sampling, _check_prompts, bucket, context_length, describe_context,
+                                     sample_tokens)
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError, write_tokens
 from jaxsys.serving.prefill import check_model, prefill
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """Slots, pool and sequence limits of the engine and its attention mode (``lserve``)."""
+  """Slots, pool and sequence limits of the engine and its attention mode (``lserve``).
+
+  ``max_seq_len`` bounds prompt + new tokens of a request; the engine lowers it to the model's
+  context length (``generate.context_length``) where that is shorter.
+  """
   lserve: lserve_lib.LServeConfig = lserve_lib.LServeConfig()
   max_batch: int = 4
   num_pages: int = 256
@@ -111,7 +119,8 @@ class Engine:
         dtype=str(jnp.dtype(mc.dtype)), kv_int8=ls.kv_int8)
     check_model(model, self.cache_config)
     self.selection = ls.selection
-    self.max_pages = -(-config.max_seq_len // ls.page_size)
+    self.max_seq_len = min(config.max_seq_len, context_length(mc))
+    self.max_pages = -(-self.max_seq_len // ls.page_size)
     self.cache = PagedKVCache(self.cache_config)
     self._graphdef, self._params = nnx.split(model)
     self._numbers = None  # per-layer retrieval selections [slots, r_l, K]
@@ -120,8 +129,9 @@ class Engine:
   # -- admission ----------------------------------------------------------------------------
   def _capacity_error(self, n_tokens: int) -> str | None:
     c = self.config
-    if n_tokens > c.max_seq_len:
-      return f"prompt + max_new_tokens = {n_tokens} tokens exceeds max_seq_len={c.max_seq_len}"
+    if n_tokens > self.max_seq_len:
+      return (f"prompt + max_new_tokens = {n_tokens} tokens exceeds the limit of {self.max_seq_len}: "
+              f"max_seq_len={c.max_seq_len}, {describe_context(self.model.config)}")
     need = self.cache.pages_for(n_tokens)
     if need > c.num_pages:
       return f"needs {need} pages but the pool has num_pages={c.num_pages}"
@@ -168,26 +178,31 @@ class Engine:
     res = EngineResult([[] for _ in arrs], [False] * len(arrs), errors,
                        [None] * len(arrs) if return_logits else None)
     bar = _progress(progress, sum(r.max_new for r in waiting))
-    while waiting or any(slots):
-      joined = self._admit(waiting, slots, res, key, s, stops, bar)
-      if not any(slots):
-        if waiting:  # nothing live and the head request still does not fit: a bug, not a wait
-          raise PoolExhaustedError("the engine is idle but cannot admit the next request")
-        break
-      key, sub = jax.random.split(key)
-      t0 = time.perf_counter()
-      logits, toks = self._step(slots, sub, s, reselect=joined)
-      res.decode_seconds += time.perf_counter() - t0
-      res.steps += 1
-      for i, r in enumerate(slots):
-        if r is None:
-          continue
-        self._emit(r, int(toks[i]), logits[i] if return_logits else None, stops, bar)
-        res.decode_tokens += 1
-        if r.finished or len(r.out) >= r.max_new:
-          self._retire(i, slots, res)
-    if bar is not None:
-      bar.close()
+    try:
+      while waiting or any(slots):
+        joined = self._admit(waiting, slots, res, key, s, stops, bar)
+        if not any(slots):
+          if waiting:  # nothing live and the head request still does not fit: a bug, not a wait
+            raise PoolExhaustedError("the engine is idle but cannot admit the next request")
+          break
+        key, sub = jax.random.split(key)
+        t0 = time.perf_counter()
+        logits, toks = self._step(slots, sub, s, reselect=joined)
+        res.decode_seconds += time.perf_counter() - t0
+        res.steps += 1
+        for i, r in enumerate(slots):
+          if r is None:
+            continue
+          self._emit(r, int(toks[i]), logits[i] if return_logits else None, stops, bar)
+          res.decode_tokens += 1
+          if r.finished or len(r.out) >= r.max_new:
+            self._retire(i, slots, bar)
+    except BaseException:
+      self._abort()
+      raise
+    finally:
+      if bar is not None:
+        bar.close()
     for r in reqs:
       if errors[r.index] is None:
         res.tokens[r.index] = r.out
@@ -216,7 +231,7 @@ class Engine:
       slots[slot] = r
       joined = True
       if r.finished or len(r.out) >= r.max_new:
-        self._retire(slot, slots, res)
+        self._retire(slot, slots, bar)
     return joined
 
   @staticmethod
@@ -229,9 +244,20 @@ class Engine:
     if bar is not None:
       bar.update(1)
 
-  def _retire(self, slot, slots, res):
-    self.cache.release(slots[slot].index)
+  def _retire(self, slot, slots, bar):
+    r = slots[slot]
+    self.cache.release(r.index)
     slots[slot] = None
+    if bar is not None and len(r.out) < r.max_new:  # a stop token: the bar counts tokens made
+      bar.total -= r.max_new - len(r.out)
+      bar.refresh()
+
+  def _abort(self):
+    """After a failure anywhere in ``generate``: frees every live request (admitted, prefilling or
+    decoding) and forgets the page selection, so the next call starts from an empty pool."""
+    self.cache.release_all()
+    self._numbers = None
+    self._since_select = 0
 
   def _step(self, slots, key, s, reselect):
     """One decode step over all slots: writes each live request's last token, samples the next."""

@@ -168,6 +168,27 @@ def decode_step(model, cache: KVCache, tokens):
   return _step(graphdef, state, cache, jnp.asarray(tokens, jnp.int32))
 
 
+def context_length(cfg) -> int:
+  """The longest sequence (prompt + new tokens) the model is meant to see, vLLM's rule:
+  ``max_position_embeddings``, times the RoPE ``factor`` for linear interpolation (and for YaRN,
+  ``original_max_position_embeddings x factor``); llama3 scaling states its extended length already."""
+  n = int(cfg.max_position_embeddings)
+  rope = getattr(cfg, "rope", None)
+  if rope is not None and rope.kind == "linear":
+    n = int(n * rope.factor)
+  elif rope is not None and rope.kind == "yarn":
+    n = int(rope.original_max_position_embeddings * rope.factor)
+  return n
+
+
+def describe_context(cfg) -> str:
+  """Where :func:`context_length` comes from, for error messages."""
+  n, mpe = context_length(cfg), cfg.max_position_embeddings
+  if n == mpe:
+    return f"the model's max_position_embeddings={mpe}"
+  return f"the model's context length {n} (max_position_embeddings={mpe}, rope {cfg.rope.kind} x{cfg.rope.factor:g})"
+
+
 def _check_prompts(prompts, vocab):
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
     raise InputError("prompts must be a non-empty list of token-id lists")
@@ -190,12 +211,18 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: Sampling | None =
   """Generates up to ``max_new_tokens`` for each prompt (see the module docstring).
 
   ``stop_tokens`` default to the config's ``eos_token_id`` (pass ``()`` to never stop early);
-  the stop token is included in ``tokens[i]``.
+  the stop token is included in ``tokens[i]``. The longest prompt + ``max_new_tokens`` must fit
+  the model's :func:`context_length`.
   """
   cfg = model.config
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ConfigError(f"{max_new_tokens=} must be a positive int")
   arrs = _check_prompts(prompts, cfg.vocab_size)
+  # The cache holds prompt + new tokens (bucketed): bound them before allocating anything.
+  i = int(np.argmax([len(a) for a in arrs]))
+  if len(arrs[i]) + max_new_tokens > context_length(cfg):
+    raise InputError(f"prompts[{i}] has {len(arrs[i])} tokens: + {max_new_tokens=} = "
+                     f"{len(arrs[i]) + max_new_tokens} exceeds {describe_context(cfg)}")
   stops = tuple(cfg.eos_ids if stop_tokens is None else stop_tokens)
   n = len(arrs)
   b = bucket(n, 1)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -208,6 +209,15 @@ class PagedKVCache:
     seq = self.seqs.pop(rid)
     self.alloc.free(seq.pages)
     self.stream_alloc.free(seq.stream_pages)
+
+  def release_all(self) -> None:
+    """Frees every live request, e.g. after a failed step. A donating call interrupted before its
+    result was stored leaves ``state`` deleted: then the pools are re-created (every page is free,
+    so their contents do not matter)."""
+    for rid in list(self.seqs):
+      self.release(rid)
+    if any(x.is_deleted() for x in jax.tree.leaves(self.state) if isinstance(x, jax.Array)):
+      self.state = init_state(self.config)
 
   def block_tables(self, rids, max_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(pages int32[b, max_pages], stream_pages int32[b, S], lengths int32[b])``; pads with page 0."""

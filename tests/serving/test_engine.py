@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxsys.models as M
 from jaxsys.core.errors import ConfigError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.models.decoder import random_model
@@ -97,3 +98,68 @@ def test_cli_serves_a_prompt_file(model, tmp_path, capsys):
   assert cli.main(["--prompts", str(bad), "--model", "random"]) == 2
   assert cli.main(args[:-2] + ["--budget", "60"]) == 2  # not a multiple of the page size
   assert "must be a positive multiple of page_size=8" in capsys.readouterr().err
+
+
+def test_failure_at_any_step_frees_every_page_and_engine_stays_usable(model):
+  """An exception or KeyboardInterrupt in any prefill or decode step propagates, every page goes
+  back to the pool, and the next call equals a clean engine's output."""
+  prompts, news = _prompts(), [4, 7, 5]  # 2 slots: the third request joins mid-run
+  ref = _dense_engine(model).generate(prompts, news, stop_tokens=())
+  engine = _dense_engine(model)
+  real = {"_step": engine._step, "_prefill": engine._prefill}
+  calls = {"_step": ref.steps, "_prefill": len(prompts)}
+  for name, n in calls.items():
+    for fail_at in range(n):
+      count = [0]
+
+      def failing(*args, _real=real[name], _fail_at=fail_at, **kwargs):
+        if count[0] == _fail_at:
+          if _fail_at % 2:
+            raise KeyboardInterrupt
+          if name == "_step":  # as if interrupted inside the donating call: the pools are gone
+            jax.tree.map(lambda x: x.delete(), engine.cache.state)
+          raise RuntimeError("injected")
+        count[0] += 1
+        return _real(*args, **kwargs)
+
+      setattr(engine, name, failing)
+      with pytest.raises((RuntimeError, KeyboardInterrupt)):
+        engine.generate(prompts, news, stop_tokens=())
+      assert engine.cache.alloc.num_free == 24 and not engine.cache.seqs, (name, fail_at)
+      setattr(engine, name, real[name])
+      again = engine.generate(prompts, news, stop_tokens=())
+      assert again.tokens == ref.tokens, (name, fail_at)
+  assert engine.cache.alloc.num_free == 24 and engine.cache.stream_alloc.num_free == \
+      engine.cache.stream_alloc.num_pages
+
+
+def test_request_length_bounded_by_max_seq_len_and_model_context(model):
+  """prompt + max_new_tokens beyond max_seq_len or the model's max_position_embeddings is
+  rejected with a message naming both limits; nothing is allocated for it."""
+  short = M.replace_config(model, max_position_embeddings=48)
+  e = Engine(short, EngineConfig(lserve=LServeConfig(dense=True, token_budget=64, **SMALL),
+                                 max_batch=2, num_pages=24, max_seq_len=80))
+  res = e.generate(_prompts((40, 40)), [10, 10**9], stop_tokens=())  # both rejected: no compile
+  assert res.tokens == [[], []] and e.cache.alloc.num_free == 24
+  for err, total in zip(res.errors, (50, 10**9 + 40)):
+    assert f"= {total} tokens" in err and "max_seq_len=80" in err
+    assert "max_position_embeddings=48" in err
+  assert e.max_seq_len == 48
+
+
+def test_progress_bar_completes_when_stop_tokens_end_requests_early(model, monkeypatch):
+  from jaxsys.serving import engine as engine_mod
+  prompts, news = _prompts(), [4, 7, 5]
+  ref = _dense_engine(model).generate(prompts, news, stop_tokens=())
+  stop = ref.tokens[1][1]  # request 1 stops after at most 2 of its 7 tokens
+  bars = []
+
+  def record(enabled, total):
+    bars.append(make(enabled, total))
+    return bars[-1]
+
+  make = engine_mod._progress
+  monkeypatch.setattr(engine_mod, "_progress", record)
+  res = _dense_engine(model).generate(prompts, news, stop_tokens=(stop,), progress=True)
+  made = sum(len(t) for t in res.tokens)
+  assert made < sum(news) and bars[0].n == bars[0].total == made

@@ -15,6 +15,7 @@ import _hf_utils as U  # noqa: E402
 import jaxsys.models as M  # noqa: E402
 from jaxsys.core.errors import ConfigError, InputError  # noqa: E402
 G = importlib.import_module("jaxsys.serving.generate")  # the module (the package exports the function)
+from jaxsys.nn.rope import RopeConfig  # noqa: E402
 from jaxsys.serving.kv_cache import KVCache  # noqa: E402
 
 PROMPTS = [[5, 17, 33], [8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41], [60, 2, 7, 7, 90, 3, 21]]
@@ -103,3 +104,16 @@ def test_bad_input(model):
     G.generate(model, [[1]], max_new_tokens=0)
   with pytest.raises(ConfigError, match="temperature"):
     G.Sampling(temperature=0.0)
+
+
+def test_prompt_plus_new_tokens_bounded_by_model_context(model):
+  """Checked before anything is allocated (max_new_tokens=10**9 once tried to allocate the cache)."""
+  with pytest.raises(InputError, match=r"prompts\[1\] has 2040 tokens: \+ max_new_tokens=9 = 2049 "
+                                       r"exceeds the model's max_position_embeddings=2048"):
+    G.generate(model, [[1], [1] * 2040], max_new_tokens=9)
+  with pytest.raises(InputError, match="max_new_tokens=1000000000 .* max_position_embeddings=2048"):
+    G.generate(model, [[1, 2, 3]], max_new_tokens=10**9)
+  scaled = M.replace_config(model, rope=RopeConfig(kind="linear", factor=4.0))
+  assert G.context_length(scaled.config) == 8192
+  with pytest.raises(InputError, match=r"context length 8192 \(max_position_embeddings=2048, rope linear x4\)"):
+    G.generate(scaled, [[1, 2, 3]], max_new_tokens=8190)
