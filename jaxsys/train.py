@@ -1,4 +1,4 @@
-"""Generic jitted optax training loop for NNX models, with orbax checkpoint/resume.
+"""Generic jitted optax training loop for NNX models, with verified orbax checkpoint/resume.
 
 * :func:`causal_lm_loss`: next-token cross-entropy with an optional loss mask (answer tokens
   only, padding excluded), returned as (sum, count) so gradient accumulation is exact.
@@ -7,10 +7,37 @@
   ``batches(s)`` (a pure function of the step, so a resumed run sees the same data). With
   ``cfg.accum_steps = A`` each batch is split into A micro-batches whose gradients are summed in
   a ``lax.scan`` before one update. With ``workdir`` it checkpoints params + optimizer state
-  every ``cfg.checkpoint_every`` steps and resumes from the latest checkpoint: the loss curve
-  after a resume equals the uninterrupted one. Metrics go to a tqdm bar and
+  every ``cfg.checkpoint_every`` steps and resumes from the newest intact checkpoint: the loss
+  curve after a resume equals the uninterrupted one. Metrics go to a tqdm bar and
   ``workdir/metrics.jsonl``. With ``mesh``, parameters are placed by their logical axes and
   batches split on the "batch" rule.
+
+Guarantees (crash and numerics safety):
+
+* **Non-finite steps.** The jitted step checks that the loss, the gradient norm and the updated
+  parameters are finite, and applies the update only then (an in-graph select, like
+  ``optax.apply_if_finite``, but also covering the loss and the new parameters). The host reads
+  that flag where the loop already syncs -- logged steps, checkpoint steps and the last step --
+  so there is no extra sync per step. ``cfg.on_nonfinite="raise"`` (default): the first
+  non-finite step freezes the state, and at the next such boundary ``train`` raises
+  :class:`NonFiniteError` naming that step, with the model holding the parameters of the step
+  before it (at most ``log_every`` steps of compute are wasted). ``"skip"``: non-finite updates
+  are dropped (parameters, moments and the schedule's count stay as they were), counted in
+  ``TrainResult.skipped`` / the ``skipped`` metric and logged. Either way the state every
+  checkpoint and the returned model hold is finite (the starting state is checked too).
+* **Crash-safe checkpoints** (see :mod:`jaxsys.core.checkpoint`): saves are atomic and
+  hash-verified; resume uses the newest intact step and names the steps it skips; rotation
+  never deletes the newest good checkpoint.
+* **Resume checks the math.** Each checkpoint records the ``TrainConfig``. Resuming with other
+  values of the fields in :data:`MATH_FIELDS` (learning rate, schedule, ``total_steps``,
+  optimizer hyperparameters, ``accum_steps``) is a :class:`ConfigError` naming the fields unless
+  they are passed in ``allow_config_change``; ``total_steps`` below the restored step is always
+  an error. Parameter and optimizer-state shapes and dtypes must match the checkpoint (an
+  ``InputError`` naming the leaf). Not checked: the loss function, the data, the model's
+  non-parameter state and code.
+* **Metrics log.** On start, ``metrics.jsonl`` is rewritten (atomically) without the rows after
+  the restored step, so it never holds duplicate or orphaned rows; each row is then appended
+  with one ``write`` call, so a kill leaves at most one torn last line, dropped on the next start.
 
 Usage::
 
@@ -22,8 +49,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +62,20 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.core.mesh import logical_sharding
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.mesh import auto_mesh, logical_sharding
+
+log = logging.getLogger("jaxsys")
+
+# TrainConfig fields that change what the optimizer computes: a resume may not change them
+# silently (``train(..., allow_config_change=...)``).
+MATH_FIELDS = ("learning_rate", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay",
+               "b1", "b2", "grad_clip", "accum_steps")
+ON_NONFINITE = ("raise", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+  """A training step produced a non-finite loss, gradient norm or parameter."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +92,7 @@ class TrainConfig:
   log_every: int = 10
   checkpoint_every: int | None = None
   max_to_keep: int = 2
+  on_nonfinite: str = "raise"  # "raise" | "skip" (see the module docstring)
 
   def __post_init__(self):
     for name in ("total_steps", "accum_steps", "log_every"):
@@ -61,6 +103,10 @@ class TrainConfig:
                         f"warmup_steps={self.warmup_steps} >= 0")
     if self.checkpoint_every is not None and self.checkpoint_every < 1:
       raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be >= 1 or None")
+    if self.max_to_keep < 1:
+      raise ConfigError(f"max_to_keep={self.max_to_keep} must be >= 1")
+    if self.on_nonfinite not in ON_NONFINITE:
+      raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be one of {ON_NONFINITE}")
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -105,6 +151,7 @@ class TrainResult:
   model: Any
   step: int
   history: list[dict[str, float]]
+  skipped: int = 0  # non-finite updates dropped (on_nonfinite="skip")
 
 
 def _split_micro(batch, accum):
@@ -115,9 +162,26 @@ def _split_micro(batch, accum):
   return jax.tree.map(one, batch)
 
 
-def make_train_step(graphdef, template, tx, loss_fn, accum: int):
-  """``(params, opt_state, rest, batch) -> (params, opt_state, metrics)``, jitted with donation;
-  ``rest`` is the model's non-parameter state (passed through unchanged)."""
+def _all_finite(tree):
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def init_health(step: int) -> dict:
+  """The step's finiteness bookkeeping, carried on device: ``step`` (updates so far),
+  ``first_bad`` (the 1-based step of the first non-finite update, -1: none) with its loss and
+  grad norm, and ``nonfinite`` (how many updates were non-finite)."""
+  return {"step": jnp.int32(step), "first_bad": jnp.int32(-1), "nonfinite": jnp.int32(0),
+          "bad_loss": jnp.float32(0), "bad_grad_norm": jnp.float32(0)}
+
+
+def make_train_step(graphdef, template, tx, loss_fn, accum: int, on_nonfinite: str = "raise"):
+  """``(params, opt_state, rest, batch, health) -> (params, opt_state, metrics, health)``,
+  jitted with donation; ``rest`` is the model's non-parameter state (passed through unchanged),
+  ``health`` is :func:`init_health`'s dict. An update whose loss, gradient norm or new
+  parameters are not finite is not applied; with ``on_nonfinite="raise"`` none is applied after
+  the first such one either (the state stays that of the last finite step)."""
 
   def micro_loss(params, rest, mb):
     model = nnx.merge(graphdef, _to_state(template, params), rest)
@@ -126,7 +190,7 @@ def make_train_step(graphdef, template, tx, loss_fn, accum: int):
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-  def step(params, opt_state, rest, batch):
+  def step(params, opt_state, rest, batch, health):
     micro = _split_micro(batch, accum)
 
     def body(carry, mb):
@@ -142,13 +206,28 @@ def make_train_step(graphdef, template, tx, loss_fn, accum: int):
     (gsum, lsum, csum, msum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0, m0), micro)
     denom = jnp.maximum(csum, 1.0)
     grads = jax.tree.map(lambda g: g / denom, gsum)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = {"loss": lsum / denom, "tokens": csum, "grad_norm": optax.global_norm(grads)}
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    loss, grad_norm = lsum / denom, optax.global_norm(grads)
+    metrics = {"loss": loss, "tokens": csum, "grad_norm": grad_norm}
     metrics.update({k: v / denom for k, v in msum.items()})
-    return params, opt_state, metrics
+    # Finite grads keep the moments finite, so loss, grad norm and new params cover the state.
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
+    first_bad = health["first_bad"]
+    apply = ok if on_nonfinite == "skip" else ok & (first_bad < 0)
+    keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731 (fuses into the update)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    done = health["step"] + 1
+    is_first = ~ok & (first_bad < 0)
+    health = {"step": done, "first_bad": jnp.where(is_first, done, first_bad),
+              "nonfinite": health["nonfinite"] + (~ok).astype(jnp.int32),
+              "bad_loss": jnp.where(is_first, loss.astype(jnp.float32), health["bad_loss"]),
+              "bad_grad_norm": jnp.where(is_first, grad_norm.astype(jnp.float32),
+                                         health["bad_grad_norm"])}
+    return params, opt_state, metrics, health
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1, 4))
 
 
 _STEP_CACHE: dict = {}
@@ -162,7 +241,7 @@ def _cached_step(graphdef, template, cfg: TrainConfig, loss_fn):
     if len(_STEP_CACHE) > 16:
       _STEP_CACHE.clear()
     _STEP_CACHE[key] = make_train_step(graphdef, template, make_optimizer(cfg), loss_fn,
-                                       cfg.accum_steps)
+                                       cfg.accum_steps, cfg.on_nonfinite)
   return _STEP_CACHE[key]
 
 
@@ -181,17 +260,84 @@ def _place_batch(batch, mesh):
       batch)
 
 
+_all_finite_jit = jax.jit(_all_finite)
+
+
+def _check_finite_state(state, what: str) -> None:
+  if bool(_all_finite_jit(state)):  # one compiled reduction; leaf names only on failure
+    return
+  bad = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_flatten_with_path(state)[0]
+         if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(x)))]
+  raise InputError(f"{what} holds non-finite values in {bad[:4]}")
+
+
+def _check_resume(cfg: TrainConfig, saved: dict | None, step: int, where, allow) -> None:
+  """Raises if resuming ``step`` (recorded config ``saved``) under ``cfg`` changes the math."""
+  if step > cfg.total_steps:
+    raise ConfigError(f"total_steps={cfg.total_steps} is smaller than the restored step={step} "
+                      f"in {where}: a run cannot go back; use a new workdir or a larger total_steps")
+  if saved is None:
+    log.warning("checkpoint step %d in %s records no TrainConfig: resuming unchecked", step, where)
+    return
+  changed = [f for f in MATH_FIELDS if f in saved and saved[f] != getattr(cfg, f)]
+  refused = [f for f in changed if f not in allow]
+  if refused:
+    diff = ", ".join(f"{f}={getattr(cfg, f)!r} (checkpoint: {saved[f]!r})" for f in refused)
+    raise ConfigError(f"resuming step={step} from {where} with {diff}: this changes the training "
+                      f"math; pass allow_config_change={tuple(refused)!r} to continue with the "
+                      f"new values")
+  for f in changed:
+    log.warning("resuming step %d with %s=%r (checkpoint: %r), as allowed", step, f,
+                getattr(cfg, f), saved[f])
+
+
+def _truncate_log(path: Path, keep_upto: int) -> None:
+  """Drops the rows of ``path`` after step ``keep_upto`` (and a torn last line), atomically."""
+  if not path.exists():
+    return
+  from jaxsys.core.checkpoint import write_atomic
+  rows = []
+  for line in path.read_text().splitlines():
+    try:
+      step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+      continue  # a line torn by a kill mid-append
+    if step <= keep_upto:
+      rows.append(line + "\n")
+  write_atomic(path, "".join(rows))
+
+
+def _append_line(path: Path, line: str) -> None:
+  # One write(2) of the whole line: a kill leaves the file without it or with it whole.
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    os.write(fd, line.encode())
+  finally:
+    os.close(fd)
+
+
 def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=None,
           loss_fn=causal_lm_loss, mesh=None, progress: bool = True, stop_at: int | None = None,
-          callback: Callable[[int, dict], None] | None = None) -> TrainResult:
+          callback: Callable[[int, dict], None] | None = None,
+          allow_config_change: Collection[str] = ()) -> TrainResult:
   """Trains ``model`` in place (its parameters are updated) and returns the history.
 
   ``stop_at`` ends the run early at that step (the schedule still spans ``total_steps``),
-  e.g. to simulate an interruption. ``callback(step, metrics)`` runs on logged steps.
+  e.g. to simulate an interruption; a run restored at or past it does no step.
+  ``callback(step, metrics)`` runs on logged steps. ``allow_config_change``: names of
+  :data:`MATH_FIELDS` that may differ from the checkpoint being resumed. Raises
+  :class:`NonFiniteError` on a non-finite step with ``cfg.on_nonfinite="raise"``.
   """
   from jaxsys.core.checkpoint import Checkpointer
   from jaxsys.nn.layers import param_specs
+  unknown = sorted(set(allow_config_change) - set(MATH_FIELDS))
+  if unknown:
+    raise ConfigError(f"allow_config_change={tuple(allow_config_change)!r} names {unknown}, "
+                      f"which are not among {MATH_FIELDS}")
   graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+  # Layers' sharding annotations are hints for the compiler: the step runs on Auto axes
+  # whatever the mesh's axis types (an Explicit mesh from jax.make_mesh included).
+  mesh = None if mesh is None else auto_mesh(mesh)
   if mesh is not None:
     specs = nnx.to_pure_dict(param_specs(model, mesh))
     params = jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
@@ -207,45 +353,80 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
     workdir = Path(workdir)
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=cfg.max_to_keep)
     log_path = workdir / "metrics.jsonl"
-    if ckpt.latest_step() is not None:
-      restored = ckpt.restore(like={"params": params, "opt_state": opt_state, "step": 0})
+    step = ckpt.latest_intact_step()  # logs the newer broken steps it skips
+    if step is not None:
+      meta = ckpt.metadata(step) or {}
+      _check_resume(cfg, meta.get("train_config"), step, ckpt.directory, allow_config_change)
+      restored = ckpt.restore(step, like={"params": params, "opt_state": opt_state, "step": 0})
       params, opt_state, start = restored["params"], restored["opt_state"], int(restored["step"])
+    elif ckpt.all_steps():
+      log.warning("no intact checkpoint in %s: training from step 0", ckpt.directory)
+    _truncate_log(log_path, start)
+  _check_finite_state({"params": params, "opt_state": opt_state},
+                      f"the state at step {start}" + (" (restored)" if start else ""))
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
   step_fn = _cached_step(graphdef, template, cfg, loss_fn)
   end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+  end = max(end, start)
   history: list[dict[str, float]] = []
+  health = init_health(start)
+  skipped = 0
+  checked = start  # the last step whose finiteness the host has read
+  last_saved = start if ckpt is not None and start else None
   bar = None
   if progress:
     from tqdm.auto import tqdm
     bar = tqdm(total=end, initial=start, desc="train", dynamic_ncols=True)
   t0 = time.perf_counter()
   ctx = jax.set_mesh(mesh) if mesh is not None else _null()
-  with ctx:
-    for step in range(start, end):
-      batch = _place_batch(batches(step), mesh)
-      params, opt_state, metrics = step_fn(params, opt_state, rest, batch)
-      done = step + 1
-      if done % cfg.log_every == 0 or done == end:
-        row = {"step": done, **{k: float(v) for k, v in jax.device_get(metrics).items()},
-               "seconds": time.perf_counter() - t0}
-        history.append(row)
-        if log_path is not None:
-          with open(log_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+  try:
+    with ctx:
+      for step in range(start, end):
+        batch = _place_batch(batches(step), mesh)
+        params, opt_state, metrics, health = step_fn(params, opt_state, rest, batch, health)
+        done = step + 1
+        log_now = done % cfg.log_every == 0 or done == end
+        save_now = ckpt is not None and cfg.checkpoint_every and (
+            done % cfg.checkpoint_every == 0 or done == end)
+        if log_now or save_now:
+          # The loop syncs here anyway (metrics / checkpoint): read the finiteness record.
+          h = jax.device_get(health)
+          if int(h["first_bad"]) >= 0 and cfg.on_nonfinite == "raise":
+            bad = int(h["first_bad"])
+            nnx.update(model, _to_state(template, params))  # frozen at step bad - 1
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {bad} (loss={float(h['bad_loss'])}, "
+                f"grad_norm={float(h['bad_grad_norm'])}): training stopped; the model holds the "
+                f"parameters after step {bad - 1}, the last checkpoint is step {last_saved}. "
+                f"Lower learning_rate, set grad_clip, or use on_nonfinite='skip'")
+          if int(h["nonfinite"]) > skipped:
+            log.warning("skipped %d non-finite update(s) in steps %d..%d (%d in this run)",
+                        int(h["nonfinite"]) - skipped, checked + 1, done, int(h["nonfinite"]))
+            skipped = int(h["nonfinite"])
+          checked = done
+        if log_now:
+          row = {"step": done, **{k: float(v) for k, v in jax.device_get(metrics).items()},
+                 "skipped": skipped, "seconds": time.perf_counter() - t0}
+          history.append(row)
+          if log_path is not None:
+            _append_line(log_path, json.dumps(row) + "\n")
+          if bar is not None:
+            bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row.get('correct', np.nan):.3f}")
+          if callback is not None:
+            callback(done, row)
         if bar is not None:
-          bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row.get('correct', np.nan):.3f}")
-        if callback is not None:
-          callback(done, row)
-      if bar is not None:
-        bar.update(1)
-      if ckpt is not None and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == end):
-        ckpt.save(done, {"params": params, "opt_state": opt_state, "step": done})
-  if bar is not None:
-    bar.close()
-  if ckpt is not None:
-    ckpt.close()
+          bar.update(1)
+        if save_now:
+          ckpt.save(done, {"params": params, "opt_state": opt_state, "step": done},
+                    metadata={"train_config": dataclasses.asdict(cfg)})
+          last_saved = done
+  finally:
+    if bar is not None:
+      bar.close()
+    if ckpt is not None:
+      ckpt.close()
   nnx.update(model, _to_state(template, params))
-  return TrainResult(model, end, history)
+  return TrainResult(model, end, history, skipped)
 
 
 class _null:

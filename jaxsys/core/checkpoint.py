@@ -110,12 +110,15 @@ def _compare_signatures(step: int, saved: dict, like: dict) -> None:
     raise InputError(f"checkpoint step={step} has another structure than like: like has "
                      f"{missing[:4]} that the checkpoint lacks, the checkpoint has {extra[:4]} "
                      f"that like lacks")
-  for name, want in like.items():
-    have = saved[name]
-    if len(want) == 2 and have != want:  # arrays: shape and dtype must match
-      raise InputError(f"checkpoint step={step} holds {name} with shape {tuple(have[0])} "
-                       f"{have[1] if len(have) > 1 else ''} but like has shape {tuple(want[0])} "
-                       f"{want[1]}")
+  # arrays: shape and dtype must match; the shallowest leaves first (params before moments)
+  bad = sorted((n for n, want in like.items() if len(want) == 2 and saved[n] != want),
+               key=lambda n: (n.count("/"), n))
+  if bad:
+    def say(sig):
+      return f"shape {tuple(sig[0])} {sig[1]}" if len(sig) == 2 else sig[0]
+    diff = "; ".join(f"{n} with {say(saved[n])} but like has {say(like[n])}" for n in bad[:3])
+    more = f" (and {len(bad) - 3} more leaves)" if len(bad) > 3 else ""
+    raise InputError(f"checkpoint step={step} holds {diff}{more}")
 
 
 def _hash(path: Path) -> str:
