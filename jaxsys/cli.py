@@ -164,9 +164,14 @@ def _register_forwarded(sub) -> None:
   add_forwarded(sub, "cluster", "jaxsys.cluster.cli", "cluster scheduling tools")
 
 
+def _register_pretrained(sub) -> None:
+  from jaxsys.models.pretrained import register_cli  # stdlib-only at import time
+  register_cli(sub)
+
+
 #: Functions ``register(subparsers)`` that add the ``jaxsys`` subcommands, in ``--help`` order.
 #: Registering must stay cheap (no JAX import): import heavy modules inside the command itself.
-REGISTRARS = [_register_core, _register_forwarded]
+REGISTRARS = [_register_core, _register_pretrained, _register_forwarded]
 
 
 def build_parser() -> argparse.ArgumentParser:
