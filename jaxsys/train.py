@@ -63,7 +63,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
-from jaxsys.core.mesh import auto_mesh, logical_sharding
+from jaxsys.core.mesh import logical_sharding, on_auto_axes
 
 log = logging.getLogger("jaxsys")
 
@@ -275,7 +275,8 @@ def _check_resume(cfg: TrainConfig, saved: dict | None, step: int, where, allow)
   """Raises if resuming ``step`` (recorded config ``saved``) under ``cfg`` changes the math."""
   if step > cfg.total_steps:
     raise ConfigError(f"total_steps={cfg.total_steps} is smaller than the restored step={step} "
-                      f"in {where}: a run cannot go back; use a new workdir or a larger total_steps")
+                      f"in {where}: a run cannot go back; use a new workdir or a larger "
+                      f"total_steps")
   if saved is None:
     log.warning("checkpoint step %d in %s records no TrainConfig: resuming unchecked", step, where)
     return
@@ -316,6 +317,7 @@ def _append_line(path: Path, line: str) -> None:
     os.close(fd)
 
 
+@on_auto_axes  # layers' sharding annotations are compiler hints: the step runs on Auto axes
 def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=None,
           loss_fn=causal_lm_loss, mesh=None, progress: bool = True, stop_at: int | None = None,
           callback: Callable[[int, dict], None] | None = None,
@@ -335,9 +337,6 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
     raise ConfigError(f"allow_config_change={tuple(allow_config_change)!r} names {unknown}, "
                       f"which are not among {MATH_FIELDS}")
   graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
-  # Layers' sharding annotations are hints for the compiler: the step runs on Auto axes
-  # whatever the mesh's axis types (an Explicit mesh from jax.make_mesh included).
-  mesh = None if mesh is None else auto_mesh(mesh)
   if mesh is not None:
     specs = nnx.to_pure_dict(param_specs(model, mesh))
     params = jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
@@ -394,10 +393,12 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
           if int(h["first_bad"]) >= 0 and cfg.on_nonfinite == "raise":
             bad = int(h["first_bad"])
             nnx.update(model, _to_state(template, params))  # frozen at step bad - 1
+            saved = ("no checkpoint" if last_saved is None
+                     else f"the last checkpoint is step {last_saved}")
             raise NonFiniteError(
                 f"non-finite loss or gradient at step {bad} (loss={float(h['bad_loss'])}, "
                 f"grad_norm={float(h['bad_grad_norm'])}): training stopped; the model holds the "
-                f"parameters after step {bad - 1}, the last checkpoint is step {last_saved}. "
+                f"parameters after step {bad - 1}, {saved}. "
                 f"Lower learning_rate, set grad_clip, or use on_nonfinite='skip'")
           if int(h["nonfinite"]) > skipped:
             log.warning("skipped %d non-finite update(s) in steps %d..%d (%d in this run)",

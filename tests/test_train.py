@@ -137,7 +137,8 @@ def test_resume_skips_a_corrupt_checkpoint_and_dedupes_the_log(tmp_path):
   assert [r["step"] for r in res.history] == [5, 6, 7, 8]
   for k, v in job.params(res.model).items():
     np.testing.assert_array_equal(v, full[k])  # bit for bit through the corrupt checkpoint
-  rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  rows = [json.loads(line)["step"] for line in lines]
   assert rows == list(range(1, 9))  # rows 5, 6 of the first run were dropped, not duplicated
 
 

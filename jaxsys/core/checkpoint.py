@@ -28,10 +28,13 @@ and a run resumes from the newest complete one):
   one of them) and older step folders are deleted. Corruption that happens *after* a step was
   written is caught at restore, which then falls back to the older kept steps.
 
+``all_steps()`` / ``latest_step()`` list every step folder, intact or not; ``intact_steps()`` /
+``latest_intact_step()`` only the verified ones.
+
 Not covered: hashing reads every file back once per save and once per verify (I/O-bound, about
-a second per GB); files are not fsync'ed, so after a power loss a torn step fails its hash and is
-skipped rather than repaired; manifests are written by process 0, for a directory all processes
-share.
+a second per GB); data files are not fsync'ed, so after a power loss a torn step fails its hash
+and is skipped rather than repaired; one writer per directory is assumed; manifests are written
+by process 0, for a directory all processes share.
 
 Usage::
 
