@@ -3,16 +3,34 @@
 Layers name their array axes logically ("batch", "seq", "heads", ...); one rules table maps
 each logical name to zero or more mesh axes ("data", "ring", "ulysses", "model"). Changing the
 parallelism of a model means changing the mesh or the table, never the layer code.
+
+Axis types. ``make_mesh`` here builds Auto axes (the compiler places intermediates);
+``jax.make_mesh`` builds Explicit axes by default, where shardings are part of array types, a
+``with_sharding_constraint`` may only name Auto axes, and gathers, uneven slices and mixed
+unsharded/sharded operands need a mesh context (``jax.set_mesh``). Every jaxsys program takes
+either kind:
+
+* :func:`place` puts an array on a spec whatever the axis types (reshard on Explicit axes,
+  constraint on Auto axes, Manual axes left to ``shard_map``); :func:`hint` is the layers'
+  layout hint: it constrains Auto axes only, since on Explicit axes the array's type already
+  says where it lives (a forced reshard there would, e.g., leave logits vocab-sharded for a
+  loss whose label gather cannot name its output sharding);
+* :func:`program_mesh` is the mesh a ``shard_map`` program runs on: the given mesh inside an
+  Explicit mesh context, else its Auto twin (:func:`auto_mesh`), so that without a context the
+  outputs mix with unsharded arrays exactly as on an Auto mesh;
+* :func:`on_auto_axes` runs a whole entry point (``jaxsys.train.train``) on the Auto twin, for
+  model code whose sharding annotations are compiler hints.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxsys.core.errors import ConfigError
 
@@ -93,9 +111,102 @@ def logical_sharding(logical: Sequence[str | None], mesh: Mesh, rules=None) -> N
 
 
 def shard_logically(x, logical: Sequence[str | None], mesh: Mesh | None, rules=None):
-  """``with_sharding_constraint`` by logical names; identity without a mesh."""
+  """Places ``x`` by logical names (:func:`place`, any axis types); identity without a mesh."""
   if mesh is None:
     return x
   if len(logical) != x.ndim:
     raise ConfigError(f"logical axes {tuple(logical)} do not match array rank {x.ndim}")
-  return jax.lax.with_sharding_constraint(x, logical_sharding(logical, mesh, rules))
+  return place(x, logical_to_spec(logical, mesh, rules), program_mesh(mesh))
+
+
+# ----------------------------------------------------------------------------- axis types
+
+def axes_of_type(mesh, kind: AxisType) -> tuple[str, ...]:
+  """Names of ``mesh``'s axes of type ``kind`` (``Mesh`` or ``AbstractMesh``; () when empty)."""
+  if mesh is None or getattr(mesh, "empty", False):
+    return ()
+  types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
+  return tuple(n for n, t in zip(mesh.axis_names, types) if t == kind)
+
+
+def explicit_axes(mesh) -> tuple[str, ...]:
+  return axes_of_type(mesh, AxisType.Explicit)
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis Auto (same devices, same names); ``mesh`` itself if it is already."""
+  if not explicit_axes(mesh):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def program_mesh(mesh: Mesh) -> Mesh:
+  """The mesh a ``shard_map`` program over ``mesh`` runs on.
+
+  Explicit axes only work where the caller holds an Explicit mesh context (``jax.set_mesh``):
+  there the program runs on ``mesh`` itself, resharding its inputs (:func:`place`) and
+  returning explicitly typed outputs. Without one (or under an Auto context) it runs on the
+  Auto twin: same devices, same collectives, outputs typed like those of an Auto mesh, so
+  callers' unsharded parameters and losses (and ``jax.grad`` of them) keep working.
+  """
+  if not explicit_axes(mesh):
+    return mesh
+  if explicit_axes(jax.sharding.get_abstract_mesh()):
+    return mesh
+  return auto_mesh(mesh)
+
+
+def on_auto_axes(fn):
+  """Decorates an entry point whose ``mesh=`` keyword places arrays and scopes a compiled step.
+
+  An Explicit ``mesh`` is replaced by its Auto twin and the call runs under
+  ``jax.set_mesh(twin)`` (so it also works inside a caller's Explicit mesh context): the model
+  layers annotate activations as hints, and on Explicit axes a vocab-sharded embedding gather
+  or a loss's label gather would have to name output shardings instead.
+  """
+  @functools.wraps(fn)
+  def wrapper(*args, mesh=None, **kwargs):
+    if mesh is None or not explicit_axes(mesh):
+      return fn(*args, mesh=mesh, **kwargs)
+    twin = auto_mesh(mesh)
+    with jax.set_mesh(twin):
+      return fn(*args, mesh=twin, **kwargs)
+  return wrapper
+
+
+def _keep_axes(spec: PartitionSpec, keep) -> PartitionSpec:
+  """``spec`` with every mesh axis not in ``keep`` dropped (entries become None or shrink)."""
+  out = []
+  for entry in spec:
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = tuple(a for a in names if a in keep)
+    out.append(None if not names else names[0] if len(names) == 1 else names)
+  return PartitionSpec(*out)
+
+
+def hint(x, spec: PartitionSpec, mesh=None):
+  """A layout hint: ``with_sharding_constraint`` over the Auto axes of ``mesh`` (default: the
+  ambient mesh); Explicit and Manual axes are left as the array's type has them."""
+  return place(x, spec, mesh, only=AxisType.Auto)
+
+
+def place(x, spec: PartitionSpec, mesh=None, *, only: AxisType | None = None):
+  """Shards ``x`` as ``spec`` on ``mesh`` (default: the ambient mesh) inside or outside ``jit``.
+
+  Explicit axes are resharded (``jax.reshard``: a no-op when the type already matches), Auto
+  axes are constrained (``with_sharding_constraint``), Manual axes (inside ``shard_map``) are
+  dropped from ``spec``. Identity without a mesh. ``only``: act on axes of that type only.
+  """
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh is None or getattr(mesh, "empty", False):
+    return x
+  concrete = isinstance(mesh, Mesh)
+  as_sharding = lambda s: NamedSharding(mesh, s) if concrete else s  # noqa: E731
+  kinds = (AxisType.Explicit, AxisType.Auto) if only is None else (only,)
+  explicit = explicit_axes(mesh) if AxisType.Explicit in kinds else ()
+  auto = axes_of_type(mesh, AxisType.Auto) if AxisType.Auto in kinds else ()
+  if explicit:
+    x = jax.reshard(x, as_sharding(_keep_axes(spec, explicit)))
+  if auto:
+    x = jax.lax.with_sharding_constraint(x, as_sharding(_keep_axes(spec, auto)))
+  return x

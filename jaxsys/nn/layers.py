@@ -16,20 +16,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.core.mesh import logical_to_spec
+from jaxsys.core.mesh import hint, logical_to_spec
 
 
 def constrain(x, logical: Sequence[str | None], rules=None):
   """``with_sharding_constraint`` by logical axis names under the ambient mesh; else identity.
 
   The ambient mesh is the one set with ``jax.sharding.use_mesh`` / ``jax.set_mesh``; without
-  one (or on a one-device mesh) this returns ``x`` unchanged.
+  one (or on a one-device mesh) this returns ``x`` unchanged. Only Auto axes are constrained
+  (``jaxsys.core.mesh.hint``): on Explicit axes the array's type decides.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or mesh.size == 1:
     return x
-  spec = logical_to_spec(logical, mesh, rules)
-  return jax.lax.with_sharding_constraint(x, spec)
+  return hint(x, logical_to_spec(logical, mesh, rules), mesh)
 
 
 def param(rngs: nnx.Rngs, shape, logical, *, init="normal", std=0.02, dtype=jnp.float32):
