@@ -407,8 +407,8 @@ def _add_rope(w, c: DecoderConfig) -> None:
     w.add_rope_scaling_type(gg.RopeScalingType.YARN)
     w.add_rope_scaling_factor(float(r.factor))
     w.add_rope_scaling_orig_ctx_len(int(r.original_max_position_embeddings))
-    w.add_rope_scaling_yarn_beta_fast(float(r.beta_fast))
-    w.add_rope_scaling_yarn_beta_slow(float(r.beta_slow))
+    for key in ("beta_fast", "beta_slow"):  # spelled out: gguf < 0.17 has no helper for them
+      w.add_float32(f"{w.arch}.rope.scaling.yarn_{key}", float(getattr(r, key)))
   elif r.kind == "llama3":
     if (r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) != \
         (_LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_ORIGINAL):
