@@ -189,7 +189,7 @@ def _metadata(reader) -> dict[str, Any]:
 def _can_dequantize(qtype) -> bool:
   if qtype in (_GT.F32, _GT.F16):
     return True
-  block, type_size = gg.GGML_QUANT_SIZES[qtype]
+  _, type_size = gg.GGML_QUANT_SIZES[qtype]
   try:
     gg.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
   except NotImplementedError:
@@ -375,9 +375,9 @@ def load_tokenizer(path: str | os.PathLike):
 
 def _gguf_arch(c: DecoderConfig) -> str:
   config_to_hf(c)  # the same representability checks as save_pretrained (bias layout, windows)
-  if c.sliding_window is not None:
-    raise ConfigError(f"GGUF {('llama' if c.arch != 'qwen2' else 'qwen2')} has no sliding window; "
-                      f"sliding_window={c.sliding_window} cannot be written")
+  if c.sliding_window is not None:  # llama.cpp's llama / qwen2 graphs attend to the full context
+    raise ConfigError(f"sliding_window={c.sliding_window} cannot be written to GGUF (its llama and "
+                      "qwen2 architectures have no sliding window)")
   return "qwen2" if c.arch == "qwen2" else "llama"  # llama.cpp runs Mistral as llama
 
 
