@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxsys.core.errors import ConfigError, ShapeError
+from pallas_kernels.errors import ConfigError, ShapeError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxsys.core.errors import ConfigError
+from pallas_kernels.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

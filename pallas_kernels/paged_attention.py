@@ -1,6 +1,7 @@
 """Pallas flash-decode over selected KV pages, read through the page table.
 
-XLA twin: ``jaxsys.ops.paged_attention.paged_decode_xla`` (same arguments, same results).
+XLA twin: ``jaxsys.ops.paged_attention.paged_decode_xla`` (same arguments, same results once
+``jaxsys.ops.paged_attention.paged_decode_pallas`` has merged this kernel's partials).
 
 Grid ``(batch, kv_heads, num_splits)``: program (b, h, s) walks its share of the ``K`` selected
 slots, loads page ``page_indices[b, h, i]`` of kv head h straight from the pool
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxsys.core.errors import ConfigError
+from pallas_kernels.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +124,3 @@ def _triton_params(blocks):
   from jax.experimental.pallas import triton as plgpu
   return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
-
-def paged_decode_pallas(q, k_pages, v_pages, page_indices, page_numbers, lengths, *, sink=None,
-                        window=None, scale, blocks: PagedDecodeBlocks = PagedDecodeBlocks(),
-                        interpret: bool = False):
-  """``(out [b, h, d] in q.dtype, lse float32 [b, h])``, like the XLA twin."""
-  from jaxsys.ops.paged_attention import merge_partials
-  b, h, d = q.shape
-  hk = k_pages.shape[1]
-  g = h // hk
-  o, m, l = paged_decode_partials(q, k_pages, v_pages, page_indices, page_numbers, lengths,
-                                  sink=sink, window=window, scale=scale, blocks=blocks,
-                                  interpret=interpret)
-  out, lse = merge_partials(o, m, l, axis=2)  # [b, hk, G, d], [b, hk, G]
-  return out[:, :, :g].reshape(b, h, d).astype(q.dtype), lse[:, :, :g].reshape(b, h)

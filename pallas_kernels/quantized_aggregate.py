@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxsys.core.errors import ConfigError
+from pallas_kernels.errors import ConfigError
 
 
 def _pow2(n: int) -> int:

@@ -1,20 +1,8 @@
 """Error types. Every error names the argument and the constraint it broke."""
 
 
-class JaxsysError(Exception):
-  """Base class of jaxsys errors."""
-
-
-class ShapeError(JaxsysError, ValueError):
-  """An array has the wrong rank, shape or dtype for the argument it was passed as."""
-
-
-class ConfigError(JaxsysError, ValueError):
-  """A configuration field holds a value the system cannot honour."""
-
-
-class InputError(JaxsysError, ValueError):
-  """Input data is invalid (out-of-range indices, NaN where checked, malformed rows)."""
+# Defined beside the kernels, which import nothing from jaxsys; these are the same classes.
+from pallas_kernels.errors import ConfigError, InputError, JaxsysError, ShapeError  # noqa: F401
 
 
 def check_rank(name: str, x, rank: int):

@@ -17,11 +17,12 @@ batch axis; batched small graphs use ``segment_ids``).
   routes the tiles through ``jaxsys.ops.attention`` with a ``BlockSparse`` mask whose token mask
   is the adjacency (``AdjacencyMask``); the default computes the tiles as batched matmuls.
 * ``reformed_graph_attention``: tiles + leftover edges merged with the log-sum-exp rule
-  ``lse = logaddexp(lse_a, lse_b)``, ``out = e^{lse_a - lse} out_a + e^{lse_b - lse} out_b``.
+  ``lse = logaddexp(lse_a, lse_b)``, ``out = e^{lse_a - lse} out_a + e^{lse_b - lse} out_b``
+  (``jaxsys.ops.merge.merge_lse``, which also merges the tiles of one query block row).
 * ``dense_graph_attention``: full attention via ``jaxsys.ops.attention`` (``segment_ids`` keep
   graphs / padding apart).
 
-``graph_attention`` dispatches on ``mode``; each op dispatches on ``impl``.
+``graph_attention`` dispatches on ``mode``; each op dispatches on ``impl`` (``jaxsys.core.dispatch``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.ids import check_ids
+from jaxsys.ops.merge import merge_lse
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 MODES = ("sparse", "dense", "block", "reformed")
 
 
@@ -72,12 +74,6 @@ def _check_qkv(q, k, v):
 def _check_self(q, k):
   if q.shape[0] != k.shape[0]:
     raise ShapeError(f"q {q.shape} and k {k.shape} must have the same node count for this path")
-
-
-def _impl(impl):
-  if impl not in IMPLS:
-    raise ConfigError(f"{impl=} must be one of {IMPLS}")
-  return "xla" if impl == "auto" and jax.default_backend() == "cpu" else impl
 
 
 def _scale(scale, d):
@@ -202,6 +198,7 @@ def sparse_graph_attention(q, k, v, senders, receivers, *, scale=None, impl: str
     indices_are_sorted: receivers are sorted (true for ``jaxsys.graphs`` datasets).
   Returns ``out [nodes, heads, head_dim]`` (and float32 ``lse [nodes, heads]``).
   """
+  SPARSE.check(impl)
   _check_qkv(q, k, v)
   s_shape, r_shape = np.shape(senders), np.shape(receivers)
   if len(s_shape) != 1 or s_shape != r_shape:
@@ -209,16 +206,20 @@ def sparse_graph_attention(q, k, v, senders, receivers, *, scale=None, impl: str
   # On the ids as given: jnp.asarray would first cast int64 to int32 (2**32 + 1 -> 1).
   check_ids("senders", senders, k.shape[0], size_name="key_nodes")
   check_ids("receivers", receivers, q.shape[0])
-  senders, receivers = jnp.asarray(senders), jnp.asarray(receivers)
-  impl = _impl(impl)
-  if impl in ("pallas", "pallas_interpret"):
-    raise NotImplementedError(
-        "edge-level sparse attention has no Pallas kernel (gather/scatter bound); the Pallas "
-        "kernel serves the dense tiles of the block/reformed path")
-  out, lse = _sparse_attention(q, k, v, senders.astype(jnp.int32), receivers.astype(jnp.int32),
-                               _scale(scale, q.shape[-1]),
-                               bool(indices_are_sorted))
+  senders, receivers = jnp.asarray(senders, jnp.int32), jnp.asarray(receivers, jnp.int32)
+  out, lse = SPARSE(impl, q, k, v, senders, receivers, _scale(scale, q.shape[-1]),
+                    bool(indices_are_sorted))
   return (out, lse) if return_lse else out
+
+
+def _no_edge_kernel(*args):
+  raise NotImplementedError(
+      "edge-level sparse attention has no Pallas kernel (gather/scatter bound); the Pallas "
+      "kernel serves the dense tiles of the block/reformed path")
+
+
+SPARSE = Dispatcher("sparse_graph_attention", {
+    "xla": _sparse_attention, "pallas": _no_edge_kernel, "pallas_interpret": _no_edge_kernel})
 
 
 # ----------------------------------------------------------------------------- tiles (blocks)
@@ -293,32 +294,6 @@ def _tile_partials_xla(qt, kt, vt, bits, scale):
   return o, lse
 
 
-def merge_partials(parts):
-  """Log-sum-exp merge of partial attentions ``[(out, lse), ...]`` over disjoint key sets."""
-  lses = jnp.stack([p[1] for p in parts])  # [P, ...]
-  m = jax.lax.stop_gradient(jnp.max(lses, axis=0))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  ws = jnp.exp(lses - m)
-  z = jnp.sum(ws, axis=0)
-  safe = jnp.where(z > 0, z, 1.0)
-  out = sum(o.astype(jnp.float32) * (w / safe)[..., None] for (o, _), w in zip(parts, ws))
-  lse = jnp.where(z > 0, m + jnp.log(safe), -jnp.inf)
-  return out, lse
-
-
-def _combine_tiles(o, lse_t, rows, nb):
-  """Merges tile partials of the same query block row: ``[nb, B, H, D]``, ``[nb, H, B]``."""
-  m = jax.ops.segment_max(lse_t, rows, nb, indices_are_sorted=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  w = jnp.exp(lse_t - m[rows])  # [T, H, B]; 0 for empty tile rows
-  z = jax.ops.segment_sum(w, rows, nb, indices_are_sorted=True)
-  safe = jnp.where(z > 0, z, 1.0)
-  out = jax.ops.segment_sum(o * jnp.swapaxes(w, 1, 2)[..., None], rows, nb, indices_are_sorted=True)
-  out = out / jnp.swapaxes(safe, 1, 2)[..., None]
-  lse = jnp.where(z > 0, m + jnp.log(safe), -jnp.inf)
-  return out, lse
-
-
 def _pad_nodes(x, n_pad):
   return jnp.pad(x, ((0, n_pad - x.shape[0]), (0, 0), (0, 0))) if n_pad > x.shape[0] else x
 
@@ -352,41 +327,57 @@ def tile_graph_attention(q, k, v, tiles: GraphTiles, *, scale=None, impl: str = 
   """Attention restricted to dense tiles (the block path / ECR dense blocks).
 
   ``impl``: "xla" (batched matmuls, ``chunk`` tiles at a time, recomputed in the backward),
-  "pallas" / "pallas_interpret" (``pallas_kernels.graph_attention``), or "attention_op"
+  "pallas" / "pallas_interpret" (``pallas_kernels.graph_attention``), "attention_op"
   (``jaxsys.ops.attention`` with ``BlockSparse(layout, token_mask=AdjacencyMask)``; needs
-  concrete tiles). Returns ``out [N, H, D]`` (and ``lse [N, H]``).
+  concrete tiles; explicit only) or "auto" (``jaxsys.core.dispatch``). Returns
+  ``out [N, H, D]`` (and ``lse [N, H]``).
   """
+  TILES.check(impl)
   _check_qkv(q, k, v)
   _check_self(q, k)
   rows, cols, bits = tiles
   if bits.ndim != 3 or bits.shape[1] != bits.shape[2] or rows.shape != cols.shape or rows.shape[0] != bits.shape[0]:
     raise ShapeError(f"tiles must be rows/cols [T] and bits [T, B, B], got {rows.shape}, {cols.shape}, {bits.shape}")
-  n, h, d = q.shape
-  b = bits.shape[-1]
-  nb = -(-n // b)
-  scale = _scale(scale, d)
-  if impl == "attention_op":
-    return _tiles_via_attention_op(q, k, v, tiles, scale, return_lse)
-  impl = _impl(impl)
-  qb, kb, vb = (_pad_nodes(x, nb * b).reshape(nb, b, h, d) for x in (q, k, v))
-  if rows.shape[0] == 0:
-    o = jnp.zeros((n, h, d), q.dtype)
-    lse = jnp.full((n, h), -jnp.inf, jnp.float32)
-    return (o, lse) if return_lse else o
-  if impl == "xla":
-    o, lse_t = _chunked_partials(qb, kb, vb, rows, cols, bits, scale, chunk)
-  else:
-    from pallas_kernels import graph_attention as kernel
-    o, lse_t = kernel.tile_attention(qb[rows], kb[cols], vb[cols], bits, scale=scale,
-                                     interpret=impl == "pallas_interpret")
-  out, lse = _combine_tiles(o.astype(jnp.float32), lse_t, rows, nb)
-  out = out.reshape(nb * b, h, d)[:n].astype(q.dtype)
-  lse = jnp.swapaxes(lse, 1, 2).reshape(nb * b, h)[:n]
+  out, lse = TILES(impl, q, k, v, tiles, _scale(scale, q.shape[-1]), chunk)
   return (out, lse) if return_lse else out
 
 
-def _tiles_via_attention_op(q, k, v, tiles, scale, return_lse):
-  from jaxsys.ops.attention import attention
+def _tiles_from_partials(q, k, v, tiles, scale, partials):
+  """Pads the nodes to whole tiles, runs ``partials(qb, kb, vb, rows, cols, bits)`` (per-tile
+  ``o [T, B, H, D]``, ``lse [T, H, B]``) and merges the tiles of each query block row."""
+  rows, cols, bits = tiles
+  n, h, d = q.shape
+  b = bits.shape[-1]
+  nb = -(-n // b)
+  if rows.shape[0] == 0:
+    return jnp.zeros((n, h, d), q.dtype), jnp.full((n, h), -jnp.inf, jnp.float32)
+  qb, kb, vb = (_pad_nodes(x, nb * b).reshape(nb, b, h, d) for x in (q, k, v))
+  o, lse_t = partials(qb, kb, vb, rows, cols, bits)
+  out, lse = merge_lse(o, lse_t, segment_ids=rows, num_segments=nb, indices_are_sorted=True,
+                       lse_heads_first=True)  # [nb, B, H, D], [nb, H, B]
+  out = out.reshape(nb * b, h, d)[:n].astype(q.dtype)
+  lse = jnp.swapaxes(lse, 1, 2).reshape(nb * b, h)[:n]
+  return out, lse
+
+
+def _tiles_xla(q, k, v, tiles, scale, chunk):
+  return _tiles_from_partials(q, k, v, tiles, scale, lambda qb, kb, vb, rows, cols, bits:
+                              _chunked_partials(qb, kb, vb, rows, cols, bits, scale, chunk))
+
+
+def _tiles_pallas(q, k, v, tiles, scale, chunk, interpret=False):
+  del chunk  # the kernel streams its tiles itself
+  if not interpret:
+    require_backend("tile graph attention")
+  from pallas_kernels import graph_attention as kernel
+  return _tiles_from_partials(q, k, v, tiles, scale, lambda qb, kb, vb, rows, cols, bits:
+                              kernel.tile_attention(qb[rows], kb[cols], vb[cols], bits,
+                                                    scale=scale, interpret=interpret))
+
+
+def _tiles_via_attention_op(q, k, v, tiles, scale, chunk):
+  del chunk
+  from jaxsys.ops.attention.api import attention
   if any(isinstance(x, jax.core.Tracer) for x in tiles):
     raise NotImplementedError("impl='attention_op' needs concrete tiles (the BlockSparse layout is static)")
   n = q.shape[0]
@@ -397,8 +388,16 @@ def _tiles_via_attention_op(q, k, v, tiles, scale, return_lse):
   n_pad = nb * b
   qp, kp, vp = (_pad_nodes(x, n_pad)[None] for x in (q, k, v))
   out, lse = attention(qp, kp, vp, mask=mask, scale=scale, q_offset=0, return_lse=True)
-  out, lse = out[0, :n], jnp.swapaxes(lse[0], 0, 1)[:n]
-  return (out, lse) if return_lse else out
+  return out[0, :n], jnp.swapaxes(lse[0], 0, 1)[:n]
+
+
+# "attention_op" is explicit only: auto tries "pallas" (GPU/TPU) and "xla".
+TILES = Dispatcher("tile_graph_attention", {
+    "xla": _tiles_xla,
+    "pallas": _tiles_pallas,
+    "pallas_interpret": functools.partial(_tiles_pallas, interpret=True),
+    "attention_op": _tiles_via_attention_op,
+})
 
 
 def reformed_graph_attention(q, k, v, tiles: GraphTiles, senders, receivers, *, scale=None,
@@ -413,7 +412,7 @@ def reformed_graph_attention(q, k, v, tiles: GraphTiles, senders, receivers, *, 
   a = tile_graph_attention(q, k, v, tiles, scale=scale, impl=tile_impl, return_lse=True, chunk=chunk)
   b = sparse_graph_attention(q, k, v, senders, receivers, scale=scale, impl=edge_impl,
                              return_lse=True, indices_are_sorted=indices_are_sorted)
-  out, lse = merge_partials([a, b])
+  out, lse = merge_lse([a[0], b[0]], [a[1], b[1]])
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 
@@ -429,7 +428,7 @@ def dense_graph_attention(q, k, v, *, segment_ids=None, node_mask=None, scale=No
   """
   _check_qkv(q, k, v)
   _check_self(q, k)
-  from jaxsys.ops.attention import attention
+  from jaxsys.ops.attention.api import attention
   n = q.shape[0]
   seg = jnp.zeros((n,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   if seg.shape != (n,):
@@ -441,8 +440,7 @@ def dense_graph_attention(q, k, v, *, segment_ids=None, node_mask=None, scale=No
       raise ShapeError(f"node_mask must be bool[nodes={n}], got shape {node_mask.shape}")
     kv_seg = jnp.where(node_mask, seg, -1)
   seg_arg = None if segment_ids is None and node_mask is None else (seg[None], kv_seg[None])
-  att_impl = {"auto": "auto", "xla": "xla", "pallas": "pallas", "pallas_interpret": "pallas_interpret"}[impl]
-  out, lse = attention(q[None], k[None], v[None], segment_ids=seg_arg, scale=scale, impl=att_impl,
+  out, lse = attention(q[None], k[None], v[None], segment_ids=seg_arg, scale=scale, impl=impl,
                        q_offset=0, return_lse=True)
   out, lse = out[0], jnp.swapaxes(lse[0], 0, 1)
   return (out, lse) if return_lse else out

@@ -20,7 +20,8 @@ Usage::
 
   out = paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, lengths)
 
-The Pallas twin lives in ``pallas_kernels/paged_attention.py``.
+The Pallas twin is the kernel of ``pallas_kernels/paged_attention.py`` (partials) plus the
+same merge (``paged_decode_pallas``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.ops.merge import merge_lse, normalize_partial
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 PAGES_PER_SPLIT = 8  # 8 x 64-token pages x 128 dims x 4 B = 256 KiB of K per head: cache-sized
 
 
@@ -56,36 +58,50 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, leng
     num_splits: split-K chunks merged by log-sum-exp (flash-decode); default one split per
       ``PAGES_PER_SPLIT`` pages.
     return_lse: also return float32 ``lse [batch, heads]`` (-inf when nothing is visible).
-    impl: "auto" | "xla" | "pallas" | "pallas_interpret".
+    impl: "auto" | "xla" | "pallas" | "pallas_interpret" (``jaxsys.core.dispatch``; "pallas"
+      compiles for GPU and reads float pages only, auto falls back to "xla" otherwise).
 
   Returns:
     ``out [batch, heads, head_dim]`` in q's dtype (zeros where nothing is visible), and lse.
   """
-  if impl not in IMPLS:
-    raise ConfigError(f"{impl=} must be one of {IMPLS}")
+  PAGED_DECODE.check(impl)
   _validate(q, k_pages, v_pages, page_indices, page_numbers, lengths, k_scales, v_scales,
             sink, window, num_splits)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   if num_splits is None:
     num_splits = max(1, -(-page_indices.shape[-1] // PAGES_PER_SPLIT))
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if impl == "xla":
-    out, lse = paged_decode_xla(q, k_pages, v_pages, page_indices, page_numbers, lengths,
-                                sink=sink, window=window, scale=scale, k_scales=k_scales,
-                                v_scales=v_scales, num_splits=num_splits)
-  else:
-    from pallas_kernels import paged_attention as kernel
-    if k_scales is not None:
-      raise NotImplementedError("the Pallas paged decode kernel reads float pages only; "
-                                "int8 pages use impl='xla'")
-    if impl == "pallas" and jax.default_backend() != "gpu":
-      raise NotImplementedError("impl='pallas' compiles for GPU (Triton); use 'pallas_interpret' on CPU")
-    out, lse = kernel.paged_decode_pallas(
-        q, k_pages, v_pages, page_indices, page_numbers, lengths, sink=sink, window=window,
-        scale=scale, blocks=kernel.PagedDecodeBlocks(num_splits=num_splits),
-        interpret=impl == "pallas_interpret")
+  out, lse = PAGED_DECODE(impl, q, k_pages, v_pages, page_indices, page_numbers, lengths,
+                          sink=sink, window=window, scale=scale, k_scales=k_scales,
+                          v_scales=v_scales, num_splits=num_splits)
   return (out, lse) if return_lse else out
+
+
+def _pallas_impl(q, k_pages, v_pages, page_indices, page_numbers, lengths, *, sink, window, scale,
+                 k_scales, v_scales, num_splits, interpret=False):
+  if not interpret:
+    require_backend("paged decode attention", ("gpu",), "GPU (Triton)")
+  if k_scales is not None:
+    raise NotImplementedError("the Pallas paged decode kernel reads float pages only; "
+                              "int8 pages use impl='xla'")
+  from pallas_kernels.paged_attention import PagedDecodeBlocks
+  return paged_decode_pallas(q, k_pages, v_pages, page_indices, page_numbers, lengths, sink=sink,
+                             window=window, scale=scale,
+                             blocks=PagedDecodeBlocks(num_splits=num_splits), interpret=interpret)
+
+
+def paged_decode_pallas(q, k_pages, v_pages, page_indices, page_numbers, lengths, *, sink=None,
+                        window=None, scale, blocks=None, interpret: bool = False):
+  """The Pallas kernel (``pallas_kernels.paged_attention``, ``blocks``: its ``PagedDecodeBlocks``)
+  and the split-K merge: ``(out [b, h, d] in q.dtype, lse float32 [b, h])`` like the XLA twin."""
+  from pallas_kernels import paged_attention as kernel
+  b, h, d = q.shape
+  g = h // k_pages.shape[1]
+  o, m, l = kernel.paged_decode_partials(
+      q, k_pages, v_pages, page_indices, page_numbers, lengths, sink=sink, window=window,
+      scale=scale, blocks=kernel.PagedDecodeBlocks() if blocks is None else blocks,
+      interpret=interpret)  # [b, hk, S, G, d], [b, hk, S, G] x2 (G: group padded for tl.dot)
+  out, lse = merge_lse(*normalize_partial(o, m, l), axis=2)  # [b, hk, G, d], [b, hk, G]
+  return out[:, :, :g].reshape(b, h, d).astype(q.dtype), lse[:, :, :g].reshape(b, h)
 
 
 def _validate(q, k_pages, v_pages, page_indices, page_numbers, lengths, k_scales, v_scales,
@@ -173,14 +189,14 @@ def paged_decode_xla(q, k_pages, v_pages, page_indices, page_numbers, lengths, *
     m = jnp.max(s, axis=-1)  # [b, hk, g]
     pr = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
     o = jnp.einsum("bhgt,bhtd->bhgd", pr, vs, preferred_element_type=jnp.float32)
-    return None, (o, m, jnp.sum(pr, axis=-1))
+    return None, normalize_partial(o, m, jnp.sum(pr, axis=-1))
 
   if num_splits == 1:
-    _, (o, m, l) = split(None, (rows[0], nums[0]))
-    o, m, l = o[None], m[None], l[None]
+    _, (o, lse) = split(None, (rows[0], nums[0]))
+    o, lse = o[None], lse[None]
   else:  # one chunk at a time: the gathered pages stay in cache instead of one large copy
-    _, (o, m, l) = jax.lax.scan(split, None, (rows, nums))
-  out, lse = merge_partials(o, m, l, axis=0)  # [b, hk, g, d], [b, hk, g]
+    _, (o, lse) = jax.lax.scan(split, None, (rows, nums))
+  out, lse = merge_lse(o, lse, axis=0)  # [b, hk, g, d], [b, hk, g]
   return out.reshape(b, h, d).astype(q.dtype), lse.reshape(b, h)
 
 
@@ -193,18 +209,8 @@ def _gather(pages, scales, rows, shape):
   return x.reshape(shape).astype(jnp.float32)
 
 
-def merge_partials(o, m, l, axis: int = 2):
-  """Log-sum-exp merge of unnormalised partials ``o [..., S, g, d]``, ``m, l [..., S, g]``.
-
-  Returns the normalised output ``[..., g, d]`` and ``lse [..., g]`` (-inf, zero output where no
-  partial saw a key).
-  """
-  m_all = jnp.max(m, axis=axis, keepdims=True)
-  m_all_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-  w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_all_safe), 0.0)  # [.., S, g]
-  l_all = jnp.sum(w * l, axis=axis)
-  o_all = jnp.sum(w[..., None] * o, axis=axis)
-  safe_l = jnp.where(l_all > 0, l_all, 1.0)
-  out = o_all / safe_l[..., None]
-  lse = jnp.where(l_all > 0, jnp.log(safe_l) + jnp.squeeze(m_all_safe, axis), -jnp.inf)
-  return out, lse
+PAGED_DECODE = Dispatcher("paged_decode_attention", {
+    "xla": paged_decode_xla,
+    "pallas": _pallas_impl,
+    "pallas_interpret": functools.partial(_pallas_impl, interpret=True),
+})

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.ops.ids import check_ids
 
 AGGREGATIONS = ("sum", "mean", "gcn")
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
 def graph_edges(graph):
@@ -177,12 +177,12 @@ def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: s
       Ids must be integers in ``[0, num_nodes)``, checked on the host before any cast
       (``ShapeError`` / ``InputError``); under jit the plan (built outside) carries checked ids.
     aggregation: "sum" | "mean" | "gcn".
-    impl: "auto" (xla on CPU, pallas on GPU) | "xla" | "pallas" | "pallas_interpret".
+    impl: "auto" | "xla" | "pallas" | "pallas_interpret" (``jaxsys.core.dispatch``; the compiled
+      kernel is written for GPU (Triton): elsewhere auto runs "xla").
     plan: a precomputed ``plan_aggregation(packed, graph, aggregation)`` (needed under jit).
     block: ``pallas_kernels.quantized_aggregate.AggregateBlock`` for the Pallas kernel.
   """
-  if impl not in IMPLS:
-    raise ConfigError(f"{impl=} must be one of {IMPLS}")
+  QUANTIZED_AGGREGATE.check(impl)
   check_aggregation(aggregation)
   if plan is None:
     if graph is None:
@@ -191,25 +191,35 @@ def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: s
   elif plan.aggregation != aggregation or plan.bits != tuple(packed.bits):
     raise ConfigError(f"plan was built for aggregation={plan.aggregation!r}, bits={plan.bits}; "
                       f"called with {aggregation=}, bits={tuple(packed.bits)}")
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if impl == "pallas" and jax.default_backend() != "gpu":
-    raise NotImplementedError("compiled Pallas quantized_aggregate is written for GPU (Triton); "
-                              f"backend is {jax.default_backend()!r}: use impl='pallas_interpret'")
+  return QUANTIZED_AGGREGATE(impl, packed, plan, block)
+
+
+def _sum_groups(packed, plan, group_fn):
+  """``sum_g group_fn(words_g, scales_g, edges_g, bits_g)`` over the non-empty groups: ``[N, F]``."""
   out = jnp.zeros((packed.num_nodes, packed.num_features), jnp.float32)
   for g, bits in enumerate(packed.bits):
-    ge = plan.groups[g]
-    if ge.dst.size == 0:
-      continue
-    if impl == "xla":
-      part = _xla_group(packed.words[g], packed.scales[g], ge, bits, packed.num_features,
-                        packed.signed, packed.num_nodes)
-    else:
-      from pallas_kernels.quantized_aggregate import group_aggregate
-      part = group_aggregate(packed.words[g], packed.scales[g], ge, bits=bits,
-                             num_features=packed.num_features, signed=packed.signed,
-                             num_nodes=packed.num_nodes, block=block,
-                             interpret=impl == "pallas_interpret")
-    out = out + part
+    if plan.groups[g].dst.size:
+      out = out + group_fn(packed.words[g], packed.scales[g], plan.groups[g], bits)
   return out
 
+
+def _xla_impl(packed, plan, block):
+  del block  # a Pallas launch parameter
+  return _sum_groups(packed, plan, lambda w, sc, ge, bits: _xla_group(
+      w, sc, ge, bits, packed.num_features, packed.signed, packed.num_nodes))
+
+
+def _pallas_impl(packed, plan, block, interpret=False):
+  if not interpret:
+    require_backend("quantized_aggregate", ("gpu",), "GPU (Triton)")
+  from pallas_kernels.quantized_aggregate import group_aggregate
+  return _sum_groups(packed, plan, lambda w, sc, ge, bits: group_aggregate(
+      w, sc, ge, bits=bits, num_features=packed.num_features, signed=packed.signed,
+      num_nodes=packed.num_nodes, block=block, interpret=interpret))
+
+
+QUANTIZED_AGGREGATE = Dispatcher("quantized_aggregate", {
+    "xla": _xla_impl,
+    "pallas": _pallas_impl,
+    "pallas_interpret": functools.partial(_pallas_impl, interpret=True),
+})

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ConfigError, ShapeError
 
 MIN_PAGES = 3
@@ -69,7 +70,8 @@ def page_scores(q, kmin, kmax, block_table, lengths, *, page_size: int, logical_
     block_table: ``int32[b, max_pages]`` physical page of each logical page of the request.
     lengths: ``int32[b]``; pages / logical pages that start at or after the length score -inf.
     impl: "auto" | "xla" | "pallas" | "pallas_interpret" (the kernel in
-      ``pallas_kernels/page_select.py``); auto = pallas on GPU, xla elsewhere.
+      ``pallas_kernels/page_select.py``), dispatched by ``jaxsys.core.dispatch``; the compiled
+      kernel is written for GPU (Triton): elsewhere auto runs "xla".
   """
   b, h, d = q.shape
   n, hk, nl, dk = kmin.shape
@@ -79,19 +81,17 @@ def page_scores(q, kmin, kmax, block_table, lengths, *, page_size: int, logical_
   if nl * logical_page_size != page_size:
     raise ShapeError(f"statistics hold {nl} logical pages; page_size={page_size} / "
                      f"logical_page_size={logical_page_size} = {page_size // logical_page_size}")
-  if impl not in ("auto", "xla", "pallas", "pallas_interpret"):
-    raise ConfigError(f"{impl=} must be one of auto, xla, pallas, pallas_interpret")
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if impl == "pallas" and jax.default_backend() != "gpu":
-    raise NotImplementedError("impl='pallas' compiles for GPU (Triton); use 'pallas_interpret' on CPU")
-  if impl != "xla":
-    from pallas_kernels import page_select as kernel
-    return kernel.page_scores_pallas(q, kmin, kmax, block_table, lengths, page_size=page_size,
-                                     logical_page_size=logical_page_size,
-                                     interpret=impl == "pallas_interpret")
-  return page_scores_xla(q, kmin, kmax, block_table, lengths, page_size=page_size,
-                         logical_page_size=logical_page_size)
+  return PAGE_SCORES(impl, q, kmin, kmax, block_table, lengths, page_size=page_size,
+                     logical_page_size=logical_page_size)
+
+
+def _pallas_impl(q, kmin, kmax, block_table, lengths, *, page_size, logical_page_size,
+                 interpret=False):
+  if not interpret:
+    require_backend("page_scores", ("gpu",), "GPU (Triton)")
+  from pallas_kernels import page_select as kernel
+  return kernel.page_scores_pallas(q, kmin, kmax, block_table, lengths, page_size=page_size,
+                                   logical_page_size=logical_page_size, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "logical_page_size"))
@@ -111,6 +111,13 @@ def page_scores_xla(q, kmin, kmax, block_table, lengths, *, page_size, logical_p
   start = jnp.arange(m * nl).reshape(m, nl) * logical_page_size
   s = jnp.where(start[None, None] < lengths[:, None, None, None], s, -jnp.inf)
   return jnp.max(s, axis=-1)  # [b, kv_heads, max_pages]
+
+
+PAGE_SCORES = Dispatcher("page_scores", {
+    "xla": page_scores_xla,
+    "pallas": _pallas_impl,
+    "pallas_interpret": functools.partial(_pallas_impl, interpret=True),
+})
 
 
 @functools.partial(jax.jit, static_argnames=("num_select", "page_size"))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxsys.core.errors import ConfigError
-from jaxsys.ops.paged_attention import paged_decode_xla
+from jaxsys.ops.paged_attention import paged_decode_pallas, paged_decode_xla
 from jaxsys.serving.page_select import page_scores_xla
 from pallas_kernels.page_select import PageSelectBlocks, page_scores_pallas
-from pallas_kernels.paged_attention import PagedDecodeBlocks, paged_decode_pallas
+from pallas_kernels.paged_attention import PagedDecodeBlocks
 
 
 def _decode_inputs(seed=0, b=2, h=8, hk=2, d=16, page=8, n=12, kk=5):

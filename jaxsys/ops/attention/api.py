@@ -1,7 +1,8 @@
 """The one public attention entry point and its dispatcher.
 
-Implementations are tried in order; one that cannot serve a call raises
-``NotImplementedError`` with the reason, and ``impl="auto"`` moves on to the next.
+Implementations are tried in order by the shared dispatcher (``jaxsys.core.dispatch``): one
+that cannot serve a call raises ``NotImplementedError`` with the reason, and ``impl="auto"``
+moves on to the next.
 
 A ``MultiHead`` mask whose query heads of each kv group share one mask (e.g. LServe's retrieval /
 streaming heads) is split here into one call per distinct mask over its kv heads: a block layout
@@ -15,43 +16,26 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.core.dispatch import Dispatcher, auto_order  # noqa: F401  (auto_order: part of this API)
 from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.attention.common import AttentionArgs, validate
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "reference")
-_REGISTRY: dict[str, Callable[[AttentionArgs], tuple]] = {}
+ATTENTION = Dispatcher("attention", {
+    "xla": "jaxsys.ops.attention.xla:blockwise_attention",
+    "pallas": "jaxsys.ops.attention.pallas:pallas_compiled",
+    "pallas_interpret": "jaxsys.ops.attention.pallas:pallas_interpreted",
+    "reference": "jaxsys.ops.attention.reference:attention_reference",  # explicit only, never auto
+})
+IMPLS = ATTENTION.names  # ("auto", "xla", "pallas", "pallas_interpret", "reference")
+register = ATTENTION.register
 
 
-def register(name: str):
-  def deco(fn):
-    _REGISTRY[name] = fn
-    return fn
-  return deco
-
-
-def _load(name: str):
-  if name not in _REGISTRY:
-    if name == "reference":
-      from jaxsys.ops.attention import reference
-      register("reference")(reference.attention_reference)
-    elif name == "xla":
-      try:
-        from jaxsys.ops.attention import xla  # noqa: F401  (registers itself)
-      except ImportError:
-        from jaxsys.ops.attention import reference
-        register("xla")(reference.attention_reference)
-    elif name in ("pallas", "pallas_interpret"):
-      try:
-        from jaxsys.ops.attention import pallas  # noqa: F401  (registers itself)
-      except ImportError as e:
-        raise NotImplementedError(f"{name} attention is unavailable: {e}") from e
-  if name not in _REGISTRY:
-    raise NotImplementedError(f"attention implementation {name!r} is not available")
-  return _REGISTRY[name]
+def _load(name: str) -> Callable[[AttentionArgs], tuple]:
+  """The implementation ``name`` (imported on first use)."""
+  return ATTENTION.get(name)
 
 
 def head_groups(mask, q, k):
@@ -94,10 +78,6 @@ def _split_call(call, groups, q, k, v, return_lse: bool):
   return out, jnp.concatenate(lses, axis=1)[:, inverse]      # [batch, heads, q_len]
 
 
-def auto_order() -> tuple[str, ...]:
-  return ("pallas", "xla") if jax.default_backend() in ("gpu", "tpu") else ("xla",)
-
-
 def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "auto",
               return_lse: bool = False, q_offset=None, kv_lengths=None, check: bool = False):
   """Multi-head attention ``softmax(q k^T * scale) v`` under a lazy mask.
@@ -122,8 +102,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "
     ``out [batch, q_len, heads, head_dim]`` in q's dtype (rows that see no key are zero), and
     ``lse`` when ``return_lse``.
   """
-  if impl not in IMPLS:
-    raise ValueError(f"{impl=} must be one of {IMPLS}")
+  ATTENTION.check(impl)
   groups = None if impl == "reference" else head_groups(mask, q, k)
   if groups is not None:
     call = functools.partial(attention, segment_ids=segment_ids, scale=scale, impl=impl,
@@ -131,15 +110,5 @@ def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "
     return _split_call(call, groups, q, k, v, return_lse)
   args = validate(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, q_offset=q_offset,
                   kv_lengths=kv_lengths, check=check)
-  order = auto_order() if impl == "auto" else (impl,)
-  errors = []
-  for name in order:
-    try:
-      out, lse = _load(name)(args)
-    except NotImplementedError as e:
-      if impl != "auto":
-        raise
-      errors.append(f"{name}: {e}")
-      continue
-    return (out, lse) if return_lse else out
-  raise NotImplementedError("no attention implementation could serve this call: " + "; ".join(errors))
+  out, lse = ATTENTION(impl, args)
+  return (out, lse) if return_lse else out

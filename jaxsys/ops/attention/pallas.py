@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.core.dispatch import require_backend
 from jaxsys.ops import masks as M
-from jaxsys.ops.attention import api
 from jaxsys.ops.attention import layout as layout_lib
 from jaxsys.ops.attention.common import AttentionArgs
 from pallas_kernels import flash_attention as fa
@@ -183,17 +183,12 @@ def _pad_rows(tab, n):
   return np.concatenate([tab, pad], axis=1)
 
 
-@api.register("pallas")
-def _pallas(args: AttentionArgs):
-  platform = jax.default_backend()
-  if platform == "gpu":
-    return pallas_attention(args, backend="triton")
-  if platform == "tpu":
-    return pallas_attention(args, backend="mosaic")
-  raise NotImplementedError(f"compiled Pallas attention needs a GPU or TPU (backend is "
-                            f"{platform!r}); use impl='pallas_interpret' or 'xla'")
+def pallas_compiled(args: AttentionArgs):
+  """``impl="pallas"``: Triton on GPU, Mosaic on TPU."""
+  require_backend("attention")
+  return pallas_attention(args, backend="triton" if jax.default_backend() == "gpu" else "mosaic")
 
 
-@api.register("pallas_interpret")
-def _pallas_interpret(args: AttentionArgs):
+def pallas_interpreted(args: AttentionArgs):
+  """``impl="pallas_interpret"``: the same kernel interpreted (any backend; tests on CPU)."""
   return pallas_attention(args, backend="triton", interpret=True)

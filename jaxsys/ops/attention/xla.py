@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from jaxsys.core.errors import ConfigError
-from jaxsys.ops.attention import api, reference
+from jaxsys.ops.attention import reference
 from jaxsys.ops.attention import layout as layout_lib
 from jaxsys.ops.attention.common import AttentionArgs
 
@@ -417,7 +417,3 @@ def _zero_cotangent(x):
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
   return np.zeros(x.shape, jax.dtypes.float0)
-
-
-if __name__.endswith(".xla"):  # the development copy must not shadow the registered backend
-  api.register("xla")(blockwise_attention)
