@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.attention.api import attention
+from jaxsys.ops.merge import merge_lse
 from jaxsys.parallel import zigzag as zz
 
 
@@ -201,7 +202,7 @@ def _fwd_step(spec, qc, qsc, q_starts, o, lse, kv, src):
       return z, jnp.swapaxes(z[..., 0], 1, 2) - jnp.inf
 
     ob, lb = jax.lax.cond(block_may_be_visible(spec.mask, qs, ks, c), run, skip)
-    oa, la = merge(_take(o, a), _take(lse, a), ob, lb)
+    oa, la = merge_lse([_take(o, a), ob], [_take(lse, a), lb], lse_heads_first=True)
     o = jax.lax.dynamic_update_index_in_dim(o, oa, a, axis=1)
     lse = jax.lax.dynamic_update_index_in_dim(lse, la, a, axis=1)
     return o, lse
