@@ -30,7 +30,6 @@ the loop is pure overhead.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
