@@ -29,9 +29,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.mesh import place, program_mesh
 from jaxsys.ops.attention.api import attention
 from jaxsys.ops.attention.common import validate
 from jaxsys.parallel import zigzag as zz
@@ -155,23 +156,25 @@ def _seq_spec(plan: SPPlan, ndim: int) -> PartitionSpec:
   return PartitionSpec(plan.batch_axis, seq, *([None] * (ndim - 2)))
 
 
-def _place(x, mesh, spec):
-  """Reshards explicitly on meshes with Explicit axes (shard_map does not reshard there)."""
-  types = getattr(mesh, "axis_types", ())
-  if any(str(t).endswith("Explicit") for t in types):
-    return jax.reshard(x, NamedSharding(mesh, spec))
-  return x
-
-
 def shard_program(plan: SPPlan, mesh: Mesh, *, mask=None, scale=None, impl="auto",
-                  has_segments=False):
-  """The ``shard_map`` over global layout-ordered arrays ``(q, k, v[, q_ids, kv_ids])``."""
+                  has_segments=False, reorder=False):
+  """The ``shard_map`` over global arrays ``(q, k, v[, q_ids, kv_ids])``, sequence-sharded.
+
+  With ``reorder`` the inputs are in natural order: each rank permutes its shards into the
+  zigzag layout on entry and back on exit (``zigzag.zigzag_reorder_shard``), so no global
+  gather of the sequence is ever needed; otherwise they are already in layout order.
+  """
   spec4, spec2 = _seq_spec(plan, 4), _seq_spec(plan, 2)
+  seq = _axis(plan.seq_axes)
+  to_layout = lambda t: zz.zigzag_reorder_shard(t, plan.ring_size, seq, plan.degree)  # noqa: E731
 
   def body(q, k, v, *segs):
+    if reorder:
+      q, k, v, *segs = (to_layout(t) for t in (q, k, v, *segs))
     seg = tuple(segs) if segs else None
-    return sequence_parallel_attention_shard(q, k, v, plan=plan, mask=mask, segment_ids=seg,
-                                             scale=scale, impl=impl)
+    out = sequence_parallel_attention_shard(q, k, v, plan=plan, mask=mask, segment_ids=seg,
+                                            scale=scale, impl=impl)
+    return zz.zigzag_restore_shard(out, plan.ring_size, seq, plan.degree) if reorder else out
 
   in_specs = (spec4,) * 3 + ((spec2, spec2) if has_segments else ())
   # check_vma=False: per-block kernels may build loop carries without varying-axis types.
@@ -196,7 +199,10 @@ def sequence_parallel_attention(q, k, v, *, mesh: Mesh, strategy: str = "hybrid"
     pad: pad ``seq`` to the strategy's multiple (padding is a separate segment, output sliced).
     tokens_reordered: inputs are already in the plan's layout order (zigzag for the ring degree),
       as produced once by the data pipeline with ``zigzag_batch``; the output stays in it.
-  Returns ``[batch, seq, heads, dim]`` in q's dtype, in the same token order as the inputs.
+  Returns ``[batch, seq, heads, dim]`` in q's dtype, in the same token order as the inputs,
+  sequence-sharded over the plan's axes. Any mesh axis types work: inside an Explicit mesh
+  context the inputs are resharded and the output is typed sharded; otherwise the program runs
+  on the mesh's Auto twin (``jaxsys.core.mesh.program_mesh``).
   """
   if return_lse:
     raise NotImplementedError("sequence_parallel_attention does not return the lse")
@@ -221,15 +227,16 @@ def sequence_parallel_attention(q, k, v, *, mesh: Mesh, strategy: str = "hybrid"
     q_seg, k_seg = (zz.pad_seq(t, target, value=PAD_SEGMENT) for t in (q_seg, k_seg))
   segs = () if q_seg is None else (q_seg, k_seg)
   reorder = plan.layout == "zigzag" and plan.ring_size > 1 and not tokens_reordered
-  if reorder:
-    q, k, v, *segs = (zz.zigzag_reorder(t, plan.ring_size) for t in (q, k, v, *segs))
-  prog = shard_program(plan, mesh, mask=mask, scale=args.scale, impl=impl, has_segments=bool(segs))
+  mesh = program_mesh(mesh)  # Explicit axes: see jaxsys.core.mesh
+  prog = shard_program(plan, mesh, mask=mask, scale=args.scale, impl=impl, has_segments=bool(segs),
+                       reorder=reorder)
   spec4, spec2 = _seq_spec(plan, 4), _seq_spec(plan, 2)
-  ins = [_place(t, mesh, spec4) for t in (q, k, v)] + [_place(t, mesh, spec2) for t in segs]
-  out = prog(*ins)
-  if reorder:
-    out = zz.zigzag_restore(out, plan.ring_size)
-  return out[:, :s]
+  out = prog(*(place(t, spec4, mesh) for t in (q, k, v)), *(place(t, spec2, mesh) for t in segs))
+  if target == s:
+    return out
+  # unshard the sequence first: Explicit axes reject a slice that cuts shards unevenly
+  out = place(out, PartitionSpec(plan.batch_axis, None, None, None), mesh)
+  return jax.lax.slice_in_dim(out, 0, s, axis=1)
 
 
 def sp_attention_fn(mesh: Mesh, strategy: str = "hybrid", *, tokens_reordered: bool = True, **kwargs):

@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsys.core.errors import ConfigError
+from jaxsys.core.mesh import explicit_axes, place, program_mesh
 from jaxsys.graphs.dataset import NodeDataset, degrees
 from jaxsys.graphs.partition import metis_partition
 from jaxsys.nn.graph import GraphInputs
@@ -74,8 +75,12 @@ class GraphPartitionPlan:
     return out
 
   def to_original(self, y):
-    """Slab-layout rows -> original node order ``[N, ...]``."""
-    return y[jnp.asarray(self.slot_of)]
+    """Slab-layout rows -> original node order ``[N, ...]`` (replicated when ``y`` is typed
+    sharded on Explicit mesh axes: a gather there must name its output sharding)."""
+    idx = jnp.asarray(self.slot_of)
+    if explicit_axes(jax.typeof(y).sharding.mesh):
+      return y.at[idx].get(out_sharding=P())
+    return y[idx]
 
   def halo_fraction(self) -> float:
     """Halo rows received / rows an all-gather of K/V would receive."""
@@ -199,16 +204,18 @@ def graph_parallel_apply(model, plan: GraphPartitionPlan, mesh: Mesh, *, axis: s
 def plan_arrays(plan: GraphPartitionPlan, mesh: Mesh, axis: str = "graph") -> dict:
   """The plan's per-device arrays placed on the mesh (pass them as jit arguments so a jitted
   step does not embed graph-sized constants)."""
-  shard = NamedSharding(mesh, P(axis))
+  shard = NamedSharding(program_mesh(mesh), P(axis))
   names = ("senders", "receivers", "send_idx", "degree", "node_mask", "features")
   return {k: jax.device_put(jnp.asarray(getattr(plan, k)), shard) for k in names}
 
 
 def _apply(graphdef, state, feats, arrays, plan, mesh, axis, dense_step, dense_strategy):
   num_parts = plan.num_parts
-  shard = NamedSharding(mesh, P(axis))
-  feats = jax.lax.with_sharding_constraint(feats, shard)
-  arrays = [arrays[k] for k in ("senders", "receivers", "send_idx", "degree", "node_mask")]
+  mesh = program_mesh(mesh)  # Explicit axes: see jaxsys.core.mesh
+  state = jax.tree.map(lambda t: place(t, P(), mesh), state)
+  feats = place(feats, P(axis), mesh)
+  arrays = [place(arrays[k], P(axis), mesh)
+            for k in ("senders", "receivers", "send_idx", "degree", "node_mask")]
 
   def body(state, x, senders, receivers, send_idx, degree, node_mask):
     model = nnx.merge(graphdef, state)

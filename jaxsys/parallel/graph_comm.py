@@ -37,6 +37,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.mesh import place, program_mesh
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
 from jaxsys.quant.random import hash_dropout
@@ -303,8 +304,14 @@ class SylvieTrainer:
 
   # -- data placement
   def _put(self, arr):
-    spec = P(self.cfg.axis, *([None] * (np.ndim(arr) - 1)))
-    return jax.device_put(jnp.asarray(arr), NamedSharding(self.mesh, spec))
+    return jax.device_put(jnp.asarray(arr), NamedSharding(program_mesh(self.mesh), P(self.cfg.axis)))
+
+  def _placed(self, params, *sharded):
+    """The program mesh and the step's inputs on it: ``params`` replicated, the rest split
+    over the partition axis (a reshard on Explicit axes; see ``jaxsys.core.mesh``)."""
+    mesh = program_mesh(self.mesh)
+    put = lambda tree, spec: jax.tree.map(lambda t: place(t, spec, mesh), tree)  # noqa: E731
+    return mesh, put(params, P()), *(put(t, P(self.cfg.axis)) for t in sharded)
 
   def init(self, params, x, labels, train_mask) -> dict:
     """Shards the data; returns the training state (params, optimizer, staleness buffers)."""
@@ -382,15 +389,17 @@ class SylvieTrainer:
   def _step_impl(self, state, seed):
     ax = self.cfg.axis
     rep, shard = P(), P(ax)
+    mesh, params, data, halo, grad = self._placed(state["params"], self.data, state["halo"],
+                                                  state["grad"])
     fn = jax.shard_map(
-        self._device_step, mesh=self.mesh,
+        self._device_step, mesh=mesh,
         in_specs=(rep, {k: shard for k in self.data}, [shard] * len(state["halo"]),
                   [shard] * len(state["grad"]), rep),
         out_specs=(rep, rep, [shard] * len(state["halo"]), [shard] * len(state["grad"])),
         check_vma=False)
-    loss, g, halo, grad = fn(state["params"], self.data, state["halo"], state["grad"], seed)
-    upd, opt = self.tx.update(g, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], upd), "opt": opt, "halo": halo,
+    loss, g, halo, grad = fn(params, data, halo, grad, place(seed, rep, mesh))
+    upd, opt = self.tx.update(g, state["opt"], params)
+    return {"params": optax.apply_updates(params, upd), "opt": opt, "halo": halo,
             "grad": grad}, loss
 
   def step(self, state, epoch: int):
@@ -402,8 +411,9 @@ class SylvieTrainer:
       logits, _ = self._forward(p, d, jnp.uint32(0), None, None, False, False)
       return logits[None]
     ax = self.cfg.axis
-    return jax.shard_map(dev, mesh=self.mesh, in_specs=(P(), {k: P(ax) for k in self.data}),
-                         out_specs=P(ax), check_vma=False)(params, self.data)
+    mesh, params, data = self._placed(params, self.data)
+    return jax.shard_map(dev, mesh=mesh, in_specs=(P(), {k: P(ax) for k in data}),
+                         out_specs=P(ax), check_vma=False)(params, data)
 
   def logits(self, params) -> np.ndarray:
     """Global-order logits ``[N, C]`` (exact float32 exchange, no dropout)."""

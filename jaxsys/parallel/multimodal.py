@@ -29,9 +29,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxsys.core.errors import ShapeError
+from jaxsys.core.mesh import place, program_mesh
 from jaxsys.parallel import zigzag as zz
 from jaxsys.parallel.api import SPPlan, _axis
 
@@ -51,7 +52,9 @@ def shard_frames(x, mesh, plan: SPPlan):
   if x.shape[1] % plan.degree:
     raise ShapeError(f"frames={x.shape[1]} must be divisible by the sequence-parallel degree "
                      f"{plan.degree}; pad the video to a multiple (video_qa_batch max_frames=)")
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, frames_spec(plan, x.ndim)))
+  if plan.degree == 1:  # nothing to split (and a size-1 Explicit axis would type x as sharded)
+    return x
+  return place(x, frames_spec(plan, x.ndim), program_mesh(mesh))
 
 
 def reshard_maps(frame_slot: np.ndarray, num_frame_tokens: int, degree: int, cap: int | None = None):
@@ -120,8 +123,11 @@ def reshard_to_llm(frame_tokens, text_embeds, send_idx, recv_pos, *, mesh, plan:
   if plan.degree == 1:
     body_fn = _single_device(send_idx, recv_pos)
     return body_fn(frame_tokens, text_embeds)
+  mesh = program_mesh(mesh)  # Explicit axes: see jaxsys.core.mesh
+  ins = [place(t, sp, mesh) for t, sp in zip((frame_tokens, text_embeds, send_idx, recv_pos),
+                                             (seq3, seq3, route, route))]
   return jax.shard_map(body, mesh=mesh, in_specs=(seq3, seq3, route, route), out_specs=seq3,
-                       check_vma=False)(frame_tokens, text_embeds, send_idx, recv_pos)
+                       check_vma=False)(*ins)
 
 
 def _single_device(send_idx, recv_pos):

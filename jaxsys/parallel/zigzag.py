@@ -8,6 +8,9 @@ causal work paired with a late chunk with much, so every rank does the same work
 
 The reorder is done once on the data side (tokens, labels, positions, segment ids) so a model
 runs entirely on zigzag-ordered shards; ``zigzag_restore`` maps outputs back to natural order.
+On sharded arrays the same permutation runs inside ``shard_map`` (``zigzag_reorder_shard`` /
+``zigzag_restore_shard``): every token piece travels once by ``ppermute``, where a global
+gather would need all-gathers (and an explicit output sharding on Explicit mesh axes).
 
 Usage::
 
@@ -18,8 +21,10 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,6 +71,64 @@ def zigzag_restore(x, ring_size: int, axis: int = 1):
   """Zigzag order -> natural token order along ``axis`` (inverse of ``zigzag_reorder``)."""
   inv = np.argsort(zigzag_indices(x.shape[axis], ring_size)).astype(np.int32)
   return np.take(x, inv, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inv, axis=axis)
+
+
+def shard_pieces(seq_len: int, ring_size: int, degree: int) -> tuple[np.ndarray, int]:
+  """The zigzag permutation at the coarsest granularity both layouts respect.
+
+  The sequence is sharded contiguously over ``degree`` ranks (``n = seq_len / degree`` tokens
+  each); zigzag moves chunks of ``c = seq_len / (2 * ring_size)`` tokens. Pieces of
+  ``gcd(n, c)`` tokens are whole in both, so the permutation is one of pieces:
+  returns ``(perm, pieces_per_rank)`` with ``reordered_piece[i] = natural_piece[perm[i]]``.
+  """
+  check_seq_len(seq_len, ring_size, "zigzag", extra=max(degree // ring_size, 1))
+  n, c = seq_len // degree, seq_len // (2 * ring_size)
+  g = math.gcd(n, c)
+  return zigzag_indices(seq_len // g, ring_size), n // g
+
+
+def permute_shards(x, perm: np.ndarray, axis, size: int, seq_axis: int = 1):
+  """Inside ``shard_map``: applies a piece permutation to a sequence sharded over ``axis``.
+
+  ``x`` is the local shard ``[..., n, ...]`` (``seq_axis``) of a sequence cut into
+  ``len(perm)`` pieces, ``m = len(perm) / size`` per rank in order. Afterwards rank ``k`` holds
+  old pieces ``perm[k m : (k+1) m]``. One ``ppermute`` per (source slot, destination slot)
+  pair: each piece crosses the network once, and its transpose is the inverse permutation.
+  """
+  perm = np.asarray(perm)
+  m = len(perm) // size
+  if m * size != len(perm) or x.shape[seq_axis] % m:
+    raise ShapeError(f"{len(perm)} pieces do not split over {size} ranks of "
+                     f"{x.shape[seq_axis]} tokens")
+  g = x.shape[seq_axis] // m
+  slots = [jax.lax.slice_in_dim(x, a * g, (a + 1) * g, axis=seq_axis) for a in range(m)]
+  src_rank, src_slot = perm // m, perm % m  # where new piece i comes from
+  rank = jax.lax.axis_index(axis)
+  out = []
+  for b in range(m):
+    new = np.arange(size) * m + b  # the piece rank k holds in slot b afterwards
+    got = None
+    for a in range(m):
+      pairs = [(int(src_rank[i]), k) for k, i in enumerate(new) if src_slot[i] == a]
+      if not pairs:
+        continue
+      recv = jax.lax.ppermute(slots[a], axis, pairs)
+      # ranks fed from another slot received zeros here: keep what they got before
+      got = recv if got is None else jnp.where(jnp.asarray(src_slot[new] == a)[rank], recv, got)
+    out.append(got)
+  return out[0] if m == 1 else jnp.concatenate(out, axis=seq_axis)
+
+
+def zigzag_reorder_shard(x, ring_size: int, axis, degree: int, seq_axis: int = 1):
+  """Inside ``shard_map``: natural-order shards -> the shards of ``zigzag_reorder`` (global)."""
+  perm, _ = shard_pieces(x.shape[seq_axis] * degree, ring_size, degree)
+  return permute_shards(x, perm, axis, degree, seq_axis)
+
+
+def zigzag_restore_shard(x, ring_size: int, axis, degree: int, seq_axis: int = 1):
+  """Inside ``shard_map``: zigzag-order shards -> natural-order shards (inverse of the above)."""
+  perm, _ = shard_pieces(x.shape[seq_axis] * degree, ring_size, degree)
+  return permute_shards(x, np.argsort(perm), axis, degree, seq_axis)
 
 
 def zigzag_batch(batch: Mapping, ring_size: int, axis: int = 1,

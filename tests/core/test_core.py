@@ -1,11 +1,17 @@
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsys.core import bench, errors, mesh, results
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "parallel"))
+from _sp_helpers import MESH_KINDS, build_mesh, mesh_context  # noqa: E402
 
 
 def test_eight_devices(devices):
@@ -35,6 +41,41 @@ def test_shard_logically_places_data():
   m = mesh.make_mesh({"data": 8})
   x = jax.jit(lambda a: mesh.shard_logically(a * 2, ("batch", None), m))(jnp.ones((8, 4)))
   assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(m, P("data", None)), 2)
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_placement_helpers_on_every_mesh_kind(kind):
+  m = build_mesh(kind, {"data": 8})
+  twin = mesh.program_mesh(m)  # no mesh context: Explicit meshes run on their Auto twin
+  assert not mesh.explicit_axes(twin) and twin.devices.tolist() == m.devices.tolist()
+  for inside in (False, True):
+    with mesh_context(m, inside):
+      x = jax.jit(lambda a: mesh.shard_logically(a * 2, ("batch", None), m))(jnp.ones((8, 4)))
+      assert x.sharding.is_equivalent_to(NamedSharding(m, P("data", None)), 2)
+      assert (mesh.program_mesh(m) is m) == (inside or kind != "explicit")
+      # a layout hint never reshards Explicit axes: the array's type decides there
+      y = jax.jit(lambda a: mesh.hint(a, P("data", None)))(jnp.ones((8, 4)))
+      split = y.sharding.is_equivalent_to(NamedSharding(m, P("data", None)), 2)
+      assert split == (inside and kind != "explicit")
+
+
+def test_decoder_train_step_on_an_explicit_mesh():
+  """``jaxsys.train`` with ``mesh=`` a ``jax.make_mesh`` default (Explicit axes) == unsharded,
+  also inside the caller's mesh context. (Auto axes: tests/test_train.py.)"""
+  import jaxsys.models as M
+  from jaxsys import train as T
+  from jaxsys.data import synthetic as S
+  model_cfg = M.DecoderConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_layers=1,
+                              num_heads=4, num_kv_heads=2)
+  cfg = T.TrainConfig(learning_rate=1e-3, warmup_steps=0, total_steps=2, log_every=1)
+  batches = lambda s: S.training_batch({"copy": 1.0}, seed=0, step=s, batch_size=4, length=16)  # noqa: E731
+  losses = lambda mesh: [r["loss"] for r in T.train(  # noqa: E731
+      M.random_model(model_cfg, seed=1), batches, cfg, mesh=mesh, progress=False).history]
+  want = losses(None)
+  m = build_mesh("explicit", {"data": 2, "model": 2})
+  for inside in (False, True):
+    with mesh_context(m, inside):
+      np.testing.assert_allclose(losses(m), want, rtol=1e-5)
 
 
 def test_bench_and_memory():

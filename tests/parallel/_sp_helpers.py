@@ -1,14 +1,40 @@
-"""Shared helpers for the sequence-parallel tests: inputs, the single-device reference."""
+"""Shared helpers for the parallel tests: mesh kinds, inputs, the single-device reference."""
+
+import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 
 from jaxsys.core.mesh import make_mesh
 from jaxsys.ops import attention
 from jaxsys.parallel import sequence_parallel_attention
 
 IMPL = "reference"  # per-block attention backend under test (the reference is always "reference")
+
+# Every program must run on all three: jax.make_mesh's default (Explicit axes: shardings are
+# types, gathers must name their output sharding), jax.make_mesh with Auto axes, and ours.
+MESH_KINDS = ("explicit", "auto", "jaxsys")
+
+
+def build_mesh(kind, axes, devices=None):
+  """A mesh of ``kind`` (one of ``MESH_KINDS``) with ``axes = {name: size}``."""
+  devices = list(jax.devices()[:math.prod(axes.values())] if devices is None else devices)
+  if kind == "jaxsys":
+    return make_mesh(axes, devices)
+  types = {} if kind == "explicit" else {"axis_types": (AxisType.Auto,) * len(axes)}
+  mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=devices, **types)
+  want = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  assert all(t == want for t in mesh.axis_types), mesh.axis_types
+  return mesh
+
+
+def mesh_context(mesh, inside: bool):
+  """``jax.set_mesh(mesh)`` (``jax.sharding.use_mesh`` where that exists) or no context."""
+  use = getattr(jax.sharding, "use_mesh", jax.set_mesh)
+  return use(mesh) if inside else contextlib.nullcontext()
 
 
 def inputs(b=1, s=32, h=8, hk=2, d=8, dtype=jnp.float32, seed=0):

@@ -1,5 +1,8 @@
 """Sylvie: exactness vs single device, 1-bit bytes measured from the all_to_all operands."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,9 @@ from jaxsys.core.mesh import make_mesh
 from jaxsys.parallel.graph_comm import (SylvieConfig, SylvieTrainer, build_partition_plan,
                                         init_gcn_params, reference_step)
 from jaxsys.quant.comm import bytes_per_row
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _sp_helpers import build_mesh, mesh_context  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +46,26 @@ def test_unquantized_synchronous_equals_single_device(setup):
   for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(p)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   assert not np.allclose(jax.tree.leaves(p)[0], jax.tree.leaves(params)[0])  # it trained
+
+
+def test_step_on_every_mesh_kind(mesh_kind):
+  """One exact step (float exchange) == single device on 2 devices of each mesh kind: Explicit
+  and Auto axes inside a mesh context (Explicit: resharded inputs), jaxsys meshes without."""
+  ds = graphs.sbm_graph(48, num_classes=3, num_features=8, avg_degree=4, seed=2)
+  plan = build_partition_plan(ds.senders, ds.receivers, ds.num_nodes,
+                              np.arange(ds.num_nodes) % 2, 2)
+  dims = (ds.num_features, 4, ds.num_classes)
+  params = init_gcn_params(jax.random.key(0), dims)
+  cfg = SylvieConfig(quantize=False, staleness=0, dropout=0.5)
+  tx = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
+  args = [jnp.asarray(a) for a in (ds.features, ds.senders, ds.receivers, ds.labels, ds.train_mask)]
+  _, _, ref_loss = reference_step(params, tx.init(params), *args, jnp.uint32(0), tx, cfg.dropout)
+  mesh = build_mesh(mesh_kind, {"graph": 2})
+  with mesh_context(mesh, mesh_kind != "jaxsys"):
+    trainer = SylvieTrainer(plan, dims, cfg, mesh)
+    state = trainer.init(params, ds.features, ds.labels, ds.train_mask)
+    _, loss = trainer.step(state, 0)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
 
 
 def test_one_bit_bytes_measured_from_sent_arrays(setup):

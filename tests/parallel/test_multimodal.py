@@ -1,5 +1,8 @@
 """Two-stage multimodal sharding: frames split for the encoder, one all-to-all into zigzag shards."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +12,9 @@ from jaxsys.core.errors import ShapeError
 from jaxsys.core.mesh import make_mesh
 from jaxsys.data import video
 from jaxsys.parallel import api, multimodal, zigzag
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _sp_helpers import build_mesh, mesh_context  # noqa: E402
 
 
 def _setup(devices):
@@ -35,6 +41,29 @@ def test_reshard_places_every_frame_token_in_its_zigzag_slot(devices):
   # the LLM order is the zigzag order of the natural sequence
   np.testing.assert_array_equal(zigzag.zigzag_restore(slot, plan.ring_size),
                                 np.asarray(raw["frame_slot"])[:, :-1])
+
+
+def test_both_stages_on_every_mesh_kind(devices, mesh_kind):
+  """Stage 1 placement + stage 2 all-to-all on each mesh kind, with and without a mesh context,
+  and the one-device path (no all-to-all)."""
+  spec = video.VideoSpec()
+  raw = video.video_qa_batch(spec, seed=0, step=0, batch_size=2, n_frames=(3, 8), seq_len=33,
+                             max_frames=8)
+  nft = 8 * spec.tokens_per_frame
+  for axes, inside in (({"ring": 2, "ulysses": 2}, False), ({"ring": 2, "ulysses": 2}, True),
+                       ({"ring": 1}, True)):
+    mesh = build_mesh(mesh_kind, axes)
+    plan = api.make_plan(mesh, "hybrid" if len(axes) == 2 else "ring")
+    batch = multimodal.prepare_mm_batch(raw, plan, nft)
+    b, L = batch["inputs"].shape
+    ft = jnp.arange(b * nft * 4, dtype=jnp.float32).reshape(b, nft, 4) + 1.0
+    fn = jax.jit(lambda ft, te, s, r: multimodal.reshard_to_llm(  # noqa: B023
+        multimodal.shard_frames(ft, mesh, plan), te, s, r, mesh=mesh, plan=plan))  # noqa: B023
+    with mesh_context(mesh, inside):
+      got = np.asarray(fn(ft, jnp.zeros((b, L, 4)), batch["send_idx"], batch["recv_pos"]))
+    slot = batch["frame_slot"]
+    want = np.where((slot >= 0)[..., None], np.asarray(ft)[np.arange(b)[:, None], np.maximum(slot, 0)], 0.0)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_stage_two_moves_only_frame_tokens_by_all_to_all(devices):

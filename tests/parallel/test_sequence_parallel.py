@@ -1,9 +1,11 @@
 """Sequence-parallel attention equals single-device attention: output and gradients.
 
 Every strategy on the 8-device mesh shapes (ring, ulysses) in {(8,1), (1,8), (2,4), (4,2)},
-causal and non-causal, GQA 8:2 and MQA, packed segments and bf16 inputs.
+causal and non-causal, GQA 8:2 and MQA, packed segments and bf16 inputs; and every mesh kind
+(``jax.make_mesh``'s default Explicit axes, Auto axes, ``jaxsys.core.make_mesh``).
 """
 
+import functools
 import os
 import sys
 
@@ -13,7 +15,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from jaxsys.ops import attention, masks  # noqa: E402
-from _sp_helpers import IMPL, max_err, packed_segments, sp_vs_reference  # noqa: E402
+from _sp_helpers import (IMPL, build_mesh, inputs, max_err, mesh_context, out_and_grads,  # noqa: E402
+                         packed_segments, sp_vs_reference)
 
 CAUSAL, FULL = masks.Causal(), None
 SEG = packed_segments(1, 32)
@@ -41,6 +44,37 @@ def test_matches_single_device_f32(devices, strategy, shape, mask, hk, seg):
   got, want = sp_vs_reference(strategy, shape, mask=mask, segment_ids=seg, hk=hk)
   errs = max_err(got, want)
   assert max(errs) < 1e-5, dict(zip(["out", "dq", "dk", "dv"], errs))
+
+
+# strategy, mesh axes, inside jax.set_mesh, seq (13: padded, then sliced back). Every kind runs
+# the first; Explicit axes (where jaxsys programs take two paths) run all three.
+KIND_CASES = [("hybrid", {"ring": 2, "ulysses": 2}, False, 16),
+              ("zigzag", {"ring": 4}, True, 13),
+              ("allgather", {"ring": 1, "ulysses": 1}, True, 16)]
+
+
+@functools.cache
+def _kind_case_reference(s):
+  """Inputs (first ``s`` tokens), segments and single-device output + gradients."""
+  seg = packed_segments(1, s)
+  t = [x[:, :s] for x in inputs(s=16, h=4, hk=2, d=4)]
+  ref = lambda q, k, v: attention(q, k, v, mask=CAUSAL, segment_ids=seg, impl="reference")  # noqa: E731
+  return t, seg, out_and_grads(ref, *t)
+
+
+def test_strategies_on_every_mesh_kind(devices, mesh_kind):
+  """Explicit axes reject a global gather of sharded tokens (the zigzag restore) and an uneven
+  slice (the pad); each case is forward + gradients against the single-device reference."""
+  from jaxsys.parallel import sequence_parallel_attention
+  for strategy, axes, inside, s in KIND_CASES if mesh_kind == "explicit" else KIND_CASES[:1]:
+    t, seg, want = _kind_case_reference(s)
+    mesh = build_mesh(mesh_kind, axes)
+    sp = lambda q, k, v: sequence_parallel_attention(  # noqa: E731
+        q, k, v, mesh=mesh, strategy=strategy, mask=CAUSAL, segment_ids=seg, pad=True, impl=IMPL)
+    with mesh_context(mesh, inside):
+      got = out_and_grads(sp, *t)
+    errs = max_err(got, want)
+    assert max(errs) < 1e-5, (strategy, inside, errs)
 
 
 def test_bf16_inputs(devices):
@@ -93,6 +127,41 @@ def test_decoder_training_step_under_sp_matches_unsharded(devices):
   ref = functools.partial(attention, impl="reference")
   l_sp, g_sp = loss_and_grads(sp, shifted_lm_batch(tokens, 2, segment_ids=seg))
   l_ref, g_ref = loss_and_grads(ref, shifted_lm_batch(tokens, 1, segment_ids=seg))
+  assert abs(float(l_sp) - float(l_ref)) < 1e-5
+  errs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_sp, g_ref))
+  assert max(errs) < 1e-5, max(errs)
+
+
+def test_decoder_step_under_sp_on_an_explicit_mesh(devices):
+  """A decoder loss + gradients with hybrid SP on ``jax.make_mesh``'s Explicit axes, inside the
+  mesh context (resharded inputs, explicitly typed activations) == unsharded. Auto axes: the
+  test above; Explicit axes without a context run the Auto twin (the strategies test)."""
+  import jax
+  import optax
+  from flax import nnx
+
+  from jaxsys.models.decoder import Decoder, DecoderConfig
+  from jaxsys.parallel import sp_attention_fn
+  from jaxsys.parallel.zigzag import shifted_lm_batch
+
+  cfg = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=4, num_kv_heads=2)
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 17), 0, cfg.vocab_size)
+  mesh = build_mesh("explicit", {"ring": 2, "ulysses": 2})
+
+  def loss_and_grads(attention_fn, batch, inside):
+    graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0), attention_fn=attention_fn))
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(batch["inputs"], positions=batch["positions"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    with mesh_context(mesh, inside):
+      return jax.jit(jax.value_and_grad(loss))(params)
+
+  l_ref, g_ref = loss_and_grads(None, shifted_lm_batch(tokens, 1), False)
+  l_sp, g_sp = loss_and_grads(sp_attention_fn(mesh, "hybrid", impl=IMPL),
+                              shifted_lm_batch(tokens, 2), True)
   assert abs(float(l_sp) - float(l_ref)) < 1e-5
   errs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_sp, g_ref))
   assert max(errs) < 1e-5, max(errs)
