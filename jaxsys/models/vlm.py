@@ -95,10 +95,15 @@ class FrameEncoder(nnx.Module):
       raise ShapeError(f"frames must be [batch, frames, {c.patches}, {c.patch_dim}], got {frames.shape}")
     b, f = frames.shape[:2]
     x = self.patch(frames) + self.pos[...]                   # [b, F, patches, hidden]
-    x = x.reshape(b * f, c.patches, c.vision_hidden)
-    for blk in self.blocks:
-      x = blk(x)
-    x = self.norm(x).reshape(b, f, c.tokens_per_frame, c.patches // c.tokens_per_frame, -1)
+
+    def encode(v):  # one video's frames [F, patches, hidden]
+      for blk in self.blocks:
+        v = blk(v)
+      return self.norm(v)
+
+    # vmap over videos rather than a [b*F] reshape: stage 1 shards F, and on Explicit mesh
+    # axes a reshape cannot merge (or split back) a sharded dim behind an unsharded one.
+    x = jax.vmap(encode)(x).reshape(b, f, c.tokens_per_frame, c.patches // c.tokens_per_frame, -1)
     return x.mean(3).reshape(b, f * c.tokens_per_frame, c.vision_hidden)  # [b, F*tpf, hidden]
 
 

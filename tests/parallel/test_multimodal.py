@@ -66,6 +66,23 @@ def test_both_stages_on_every_mesh_kind(devices, mesh_kind):
     np.testing.assert_array_equal(got, want)
 
 
+def test_frame_encoder_on_frames_split_over_explicit_axes(devices):
+  """Stage 1 on Explicit axes: the encoder takes frames typed as split over the SP ranks
+  (per-video vmap, no reshape that merges the sharded frame dim behind the batch)."""
+  from flax import nnx
+
+  from jaxsys.models.vlm import VLM, VLMConfig
+  mesh = build_mesh("explicit", {"ring": 2, "ulysses": 2})
+  cfg = VLMConfig(lm=VLMConfig().lm.replace(num_layers=1))
+  model = VLM(cfg, rngs=nnx.Rngs(0), mesh=mesh, strategy="hybrid", impl="reference")
+  frames = jax.random.normal(jax.random.PRNGKey(0), (2, 4, cfg.patches, cfg.patch_dim))
+  want = jax.jit(lambda f: model.projector(model.encoder(f)))(frames)  # unsplit frames
+  with mesh_context(mesh, True):
+    got = jax.jit(lambda f: model.frame_tokens(f))(frames)
+  assert got.sharding.spec[1] == ("ring", "ulysses")
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_stage_two_moves_only_frame_tokens_by_all_to_all(devices):
   from jaxsys.parallel import costs
   mesh, plan, raw, nft = _setup(devices)
