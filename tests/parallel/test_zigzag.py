@@ -50,3 +50,24 @@ def test_pad_never_truncates():
   assert zz.pad_seq(np.ones((1, 27)), 32).shape == (1, 32)
   with pytest.raises(ShapeError):
     zz.pad_seq(np.ones((1, 33)), 32)
+
+
+@pytest.mark.parametrize("ring,uly", [(4, 1), (2, 4), (2, 3)])
+def test_in_shard_reorder_equals_the_global_one(devices, ring, uly):
+  """Inside shard_map, ppermutes of token pieces give the shards of the global zigzag order
+  (one piece per rank when ulysses is even, two when it is odd) and restore inverts them."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from jaxsys.core.mesh import make_mesh
+  mesh = make_mesh({"ring": ring, "ulysses": uly}, devices[:ring * uly])
+  x = np.arange(2 * 2 * ring * uly * 2).reshape(2, -1)  # [b, s]: 2 tokens per piece
+  spec = P(None, ("ring", "ulysses"))
+
+  def run(f, t):
+    body = lambda t: f(t, ring, ("ring", "ulysses"), ring * uly)  # noqa: E731
+    return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(t))
+
+  y = zz.zigzag_reorder(x, ring)
+  np.testing.assert_array_equal(run(zz.zigzag_reorder_shard, jnp.asarray(x)), y)
+  np.testing.assert_array_equal(run(zz.zigzag_restore_shard, jnp.asarray(y)), x)
