@@ -31,13 +31,13 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.core.errors import ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.nn.attention import Attention, default_attention_fn
-from jaxsys.nn.layers import Embed, RMSNorm, SwiGLU, constrain, param
+from jaxsys.nn.layers import DECODE_FORMATS, DecodeWeight, Embed, RMSNorm, SwiGLU, constrain, param
 
 __all__ = ["DecoderConfig", "Decoder", "CausalLM", "DecoderLayer", "DecoderOutput",
-           "replace_config", "default_positions"]
+           "replace_config", "default_positions", "pack_for_decode"]
 
 
 class DecoderOutput(NamedTuple):
@@ -81,6 +81,7 @@ class Decoder(nnx.Module):
     c = config
     self.config = c
     self.custom_attention_fn = attention_fn  # None: jaxsys.ops.attention(impl=config.attention_impl)
+    self.decode_weights: str | None = None   # set by pack_for_decode
     attention_fn = attention_fn or default_attention_fn(c.attention_impl)
     dt, pdt = c.jnp_dtype, c.jnp_param_dtype
     self.embed_tokens = Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt, rngs=rngs)
@@ -99,6 +100,8 @@ class Decoder(nnx.Module):
     """Final hidden states (after ``final_norm``) ``[batch, seq, embed]`` -> float32 logits."""
     if self.lm_head is None:
       out = self.embed_tokens.attend(h)
+    elif isinstance(self.lm_head, DecodeWeight):
+      out = self.lm_head(h)
     else:
       out = jnp.einsum("bsd,dv->bsv", h, self.lm_head[...].astype(h.dtype))  # [batch, seq, vocab]
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
@@ -178,9 +181,48 @@ def replace_config(model: Decoder, *, attention_fn: Callable | None = None, **ch
   """
   config = dataclasses.replace(model.config, **changes)
   attention_fn = attention_fn or model.custom_attention_fn
-  new = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), attention_fn=attention_fn))
+  fmt = model.decode_weights
+  new = nnx.eval_shape(lambda: _pack(Decoder(config, rngs=nnx.Rngs(0), attention_fn=attention_fn), fmt))
   nnx.update(new, nnx.state(model))
   return new
+
+
+def pack_for_decode(model: Decoder, weights: str = "float32") -> Decoder:
+  """A copy of ``model`` whose matrices are stored for memory-bound decode (``model`` is kept).
+
+  Batch-1 decode reads every weight once per token, so its speed is weight bytes over memory
+  bandwidth. Each layer's q|k|v and gate|up are fused into one matrix (fewer, larger matmuls per
+  step) and, with ``weights``:
+
+  * ``"float32"``: the same numbers (outputs equal the model's up to summation order);
+  * ``"bfloat16"``: bf16 weights, half the bytes;
+  * ``"int8"``: weight-only int8 with one f32 scale per output channel, a quarter of the bytes.
+
+  bf16/int8 matrices are dequantised inside the matmul (:func:`jaxsys.nn.layers.row_matmul`);
+  norms, activations, the KV cache and the logits stay in the config's dtypes. The embedding
+  table (and a tied head) takes the same format. The result is for inference: it has no
+  ``wq``/``gate``/... parameters, so it is not a checkpoint to save or train.
+  """
+  if weights not in DECODE_FORMATS:
+    raise ConfigError(f"{weights=} must be one of {DECODE_FORMATS}")
+  if model.decode_weights is not None:
+    raise ConfigError(f"the model is already packed (decode_weights={model.decode_weights!r}); "
+                      "pack the original model")
+  return _pack(replace_config(model), weights)
+
+
+def _pack(model: Decoder, weights: str | None) -> Decoder:
+  """Packs ``model`` in place (nothing for None)."""
+  if weights is None:
+    return model
+  for layer in model.layers:
+    layer.attn.pack(weights)
+    layer.mlp.pack(weights)
+  model.embed_tokens.pack(weights)
+  if model.lm_head is not None:
+    model.lm_head = nnx.data(DecodeWeight(model.lm_head[...], weights, logical=("embed", "vocab")))
+  model.decode_weights = weights
+  return model
 
 
 def random_model(config: DecoderConfig, seed: int = 0, attention_fn=None) -> Decoder:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.nn.layers import constrain, param
+from jaxsys.nn.layers import DecodeWeight, constrain, param
 from jaxsys.nn.rope import RopeConfig, apply_rope
 from jaxsys.ops import masks
 
@@ -60,6 +60,20 @@ class Attention(nnx.Module):
     else:
       self.bq = self.bk = self.bv = None
     self.bo = p((dim,), ("embed",), init="zeros") if o_bias else None
+    # decode storage (see pack): q|k|v fused into one [embed, (heads + 2 kv_heads) head_dim] map
+    self.packed_qkv: DecodeWeight | None = None
+    self.packed_o: DecodeWeight | None = None
+
+  def pack(self, fmt: str):
+    """Replaces wq/wk/wv/wo by :class:`DecodeWeight` s: one fused qkv read per step (three small
+    gemvs cost more than one; each call has a fixed overhead on CPU)."""
+    d = self.dim
+    qkv = jnp.concatenate([self.wq[...].reshape(d, -1), self.wk[...].reshape(d, -1),
+                           self.wv[...].reshape(d, -1)], axis=1)
+    self.packed_qkv = nnx.data(DecodeWeight(qkv, fmt, logical=("embed", "heads")))
+    self.packed_o = nnx.data(DecodeWeight(self.wo[...].reshape(-1, d), fmt,
+                                             logical=("heads", "embed")))
+    self.wq = self.wk = self.wv = self.wo = None
 
   @property
   def mask(self) -> masks.Mask:
@@ -75,18 +89,35 @@ class Attention(nnx.Module):
     if x.ndim != 3 or x.shape[-1] != self.dim:
       raise ShapeError(f"x must be [batch, seq, {self.dim}], got shape {x.shape}")
     x = x.astype(self.dtype)
-    q = self._proj(x, self.wq, self.bq)
-    k = self._proj(x, self.wk, self.bk)
-    v = self._proj(x, self.wv, self.bv)
+    if self.packed_qkv is not None:
+      q, k, v = self._packed_qkv(x)
+    else:
+      q = self._proj(x, self.wq, self.bq)
+      k = self._proj(x, self.wk, self.bk)
+      v = self._proj(x, self.wv, self.bv)
     q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
     k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     return q, k, v
 
+  def _packed_qkv(self, x):
+    b, s = x.shape[:2]
+    hd, nq, nk = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
+    y = self.packed_qkv(x).astype(self.dtype)                       # [batch, seq, nq + 2 nk]
+    q = y[..., :nq].reshape(b, s, self.heads, hd)
+    k = y[..., nq:nq + nk].reshape(b, s, self.kv_heads, hd)
+    v = y[..., nq + nk:].reshape(b, s, self.kv_heads, hd)
+    add = lambda t, bias: t if bias is None else t + bias[...].astype(self.dtype)
+    return add(q, self.bq), add(k, self.bk), add(v, self.bv)
+
   def project_out(self, o):
     """``o [batch, seq, heads, head_dim] -> [batch, seq, embed]``."""
-    out = jnp.einsum("bshk,hkd->bsd", o.astype(self.dtype), self.wo[...].astype(self.dtype))
+    if self.packed_o is not None:
+      b, s = o.shape[:2]
+      out = self.packed_o(o.reshape(b, s, -1).astype(self.dtype)).astype(self.dtype)
+    else:
+      out = jnp.einsum("bshk,hkd->bsd", o.astype(self.dtype), self.wo[...].astype(self.dtype))
     if self.bo is not None:
       out = out + self.bo[...].astype(self.dtype)
     return constrain(out, ("batch", "seq", "embed"))

@@ -6,6 +6,9 @@ activations are constrained by logical name through :func:`constrain`, so one ru
 
 * RMSNorm (Zhang & Sennrich, 2019): ``y = w * x / sqrt(mean(x^2) + eps)``, computed in float32.
 * SwiGLU MLP (Shazeer, 2020): ``down(silu(x W_gate) * (x W_up))``.
+* :class:`DecodeWeight`: a linear map stored for memory-bound decode (float32, bfloat16 or
+  weight-only int8 with per-output-channel scales); ``jaxsys.models.decoder.pack_for_decode``
+  swaps a model's matrices for fused ones of this kind.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import hint, logical_to_spec
 
 
@@ -65,6 +69,119 @@ def shard_params(module: nnx.Module, mesh, rules=None):
   return module
 
 
+DECODE_FORMATS = ("float32", "bfloat16", "int8")
+
+#: Rows (batch x new tokens) up to which a bf16/int8 matmul reads its weights through the
+#: fused multiply-reduce (decode); above it the weights are dequantised and fed to a dot (prefill).
+SMALL_M = 16
+
+
+def quantize_rows_int8(rows):
+  """Symmetric int8 per row: ``rows [out, in] ~= q [out, in] * scale [out, 1]``.
+
+  ``scale = max|row| / 127`` (1 for an all-zero row), ``q = round(row / scale)``: the error of
+  every entry is at most ``scale / 2``.
+  """
+  rows = jnp.asarray(rows, jnp.float32)
+  amax = jnp.max(jnp.abs(rows), axis=-1)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  q = jnp.clip(jnp.round(rows / scale[:, None]), -127, 127).astype(jnp.int8)
+  return q, scale
+
+
+def row_matmul(x, rows, scale=None):
+  """``x [m, in] @ (rows [out, in] * scale[:, None]).T -> float32 [m, out]``, dequantised in the
+  matmul (``rows`` bfloat16 or int8, ``scale [out]`` or None).
+
+  XLA:CPU has no fast dot for int8 or bf16 weights against f32 activations: a ``convert`` feeding
+  a dot is emitted as a scalar loop (~20x slower than the f32 gemv here). For decode (``m <=
+  SMALL_M``) the product is instead the row reduction ``sum_k rows[n, k] * x[m, k]``, which XLA
+  fuses (convert included) and runs on all cores, reading each weight byte once: 1 or 2 bytes
+  per weight instead of 4. One row takes a slow single-row reduction path, so ``m`` is padded to
+  2. Prefill is compute-bound: there the rows are dequantised to f32 and fed to a dot.
+  """
+  if x.ndim != 2 or rows.ndim != 2 or x.shape[1] != rows.shape[1]:
+    raise ShapeError(f"row_matmul takes x [m, in] and rows [out, in], got {x.shape} and {rows.shape}")
+  m = x.shape[0]
+  xf = x.astype(jnp.float32)
+  if m <= SMALL_M:
+    if m < 2:
+      xf = jnp.concatenate([xf, jnp.zeros_like(xf)], axis=0)
+    prod = rows.astype(jnp.float32)[:, None, :] * xf[None, :, :]   # [out, m, in], fused away
+    y = jnp.sum(prod, axis=-1).T[:m]                                 # [m, out]
+  else:
+    y = jnp.einsum("mk,nk->mn", xf, rows.astype(jnp.float32))
+  return y if scale is None else y * scale.astype(jnp.float32)
+
+
+class DecodeWeight(nnx.Module):
+  """A linear map ``[in, out]`` stored for memory-bound decode.
+
+  * ``"float32"``: ``w [in, out]``, multiplied with a dot (XLA's gemv reads it at the memory
+    bound at batch 1).
+  * ``"bfloat16"``: ``w [out, in]`` bf16 rows (half the bytes), :func:`row_matmul`.
+  * ``"int8"``: ``w [out, in]`` int8 rows and ``scale [out]`` f32, one per output channel
+    (:func:`quantize_rows_int8`; a quarter of the bytes), :func:`row_matmul`.
+
+  Rows are output channels, so for bf16/int8 the same storage serves as an embedding table
+  (:meth:`rows_at`), e.g. a tied LM head. Calls return float32 ``[..., out]``.
+  """
+
+  def __init__(self, w, fmt: str = "float32", logical=(None, None)):
+    if fmt not in DECODE_FORMATS:
+      raise ConfigError(f"{fmt=} must be one of {DECODE_FORMATS}")
+    w = jnp.asarray(w)
+    if w.ndim != 2:
+      raise ShapeError(f"a DecodeWeight takes a matrix [in, out], got shape {w.shape}")
+    self.fmt = fmt
+    self.in_dim, self.out_dim = int(w.shape[0]), int(w.shape[1])
+    self.scale = None
+    logical = tuple(logical)
+    if fmt == "float32":
+      self.w = nnx.Param(w.T.astype(jnp.float32), logical_axes=logical[::-1])
+    elif fmt == "bfloat16":
+      self.w = nnx.Param(w.T.astype(jnp.bfloat16), logical_axes=logical[::-1])
+    else:
+      q, scale = quantize_rows_int8(w.T)
+      self.w = nnx.Param(q, logical_axes=logical[::-1])
+      self.scale = nnx.data(nnx.Param(scale, logical_axes=logical[1:]))
+
+  @classmethod
+  def from_rows(cls, rows, fmt: str, logical=(None, None)) -> "DecodeWeight":
+    """From ``rows [out, in]`` (e.g. an embedding table ``[vocab, embed]``)."""
+    return cls(jnp.asarray(rows).T, fmt, logical=tuple(logical)[::-1])
+
+  def dense(self):
+    """The float32 matrix ``[in, out]`` this weight stands for (dequantised)."""
+    w = self.w[...].astype(jnp.float32)
+    if self.scale is not None:
+      w = w * self.scale[...][:, None]
+    return w.T
+
+  def rows_at(self, idx):
+    """Float32 rows ``[..., in]`` of output channels ``idx`` (bf16/int8 storage only)."""
+    # The barrier keeps XLA from treating the table's gather and the tied head's matmul as two
+    # users of one value: with two users it will not fuse the head's bf16 -> f32 convert into
+    # the matmul and materialises the whole table in f32 every step (~4x the head's own read).
+    w = jax.lax.optimization_barrier(self.w[...])
+    out = jnp.take(w, idx, axis=0).astype(jnp.float32)
+    if self.scale is not None:
+      out = out * jnp.take(self.scale[...], idx, axis=0)[..., None]
+    return out
+
+  def __call__(self, x):
+    """``x [..., in] -> float32 [..., out]``."""
+    if x.shape[-1] != self.in_dim:
+      raise ShapeError(f"x must end in {self.in_dim} features, got shape {x.shape}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, self.in_dim)
+    if self.fmt == "float32" and x2.shape[0] == 1:
+      y = jnp.einsum("mk,nk->mn", x2.astype(jnp.float32), self.w[...])
+    else:
+      y = row_matmul(x2, self.w[...], None if self.scale is None else self.scale[...])
+    return y.reshape(*lead, self.out_dim)
+
+
 class RMSNorm(nnx.Module):
   """Root-mean-square norm over the last axis; statistics in float32, output in x's dtype."""
 
@@ -87,12 +204,24 @@ class Embed(nnx.Module):
                rngs: nnx.Rngs):
     self.vocab, self.dim, self.dtype = vocab, dim, dtype
     self.weight = param(rngs, (vocab, dim), ("vocab", "embed"), dtype=param_dtype)
+    self.packed: DecodeWeight | None = None  # bf16/int8 rows replacing ``weight`` (decode)
+
+  def pack(self, fmt: str):
+    """bf16/int8 rows (:class:`DecodeWeight`) for both the lookup and the tied head; float32
+    keeps ``weight`` (the f32 head is already a gemv over ``[vocab, embed]``)."""
+    self.packed = nnx.data(DecodeWeight.from_rows(self.weight[...], fmt, logical=("vocab", "embed")))
+    self.weight = None
 
   def __call__(self, tokens):
-    out = jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)  # [batch, seq, embed]
+    if self.packed is not None:
+      out = self.packed.rows_at(tokens).astype(self.dtype)
+    else:
+      out = jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)  # [batch, seq, embed]
     return constrain(out, ("batch", "seq", "embed"))
 
   def attend(self, h):
+    if self.packed is not None:
+      return self.packed(h)  # [batch, seq, vocab] float32
     return jnp.einsum("bsd,vd->bsv", h, self.weight[...].astype(h.dtype))  # [batch, seq, vocab]
 
 
@@ -105,9 +234,25 @@ class SwiGLU(nnx.Module):
     self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), dtype=param_dtype)
     self.up = param(rngs, (dim, hidden), ("embed", "mlp"), dtype=param_dtype)
     self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype=param_dtype)
+    # decode storage (see pack): gate|up fused into one [embed, 2 * mlp] map, and down
+    self.packed_gate_up: DecodeWeight | None = None
+    self.packed_down: DecodeWeight | None = None
+
+  def pack(self, fmt: str):
+    """Replaces gate/up/down by :class:`DecodeWeight` s: one read of ``[gate | up]`` per step."""
+    gu = jnp.concatenate([self.gate[...], self.up[...]], axis=1)  # [embed, 2 * mlp]
+    self.packed_gate_up = nnx.data(DecodeWeight(gu, fmt, logical=("embed", "mlp")))
+    self.packed_down = nnx.data(DecodeWeight(self.down[...], fmt, logical=("mlp", "embed")))
+    self.gate = self.up = self.down = None
 
   def __call__(self, x):
     x = x.astype(self.dtype)
+    if self.packed_gate_up is not None:
+      gu = self.packed_gate_up(x).astype(self.dtype)                     # [batch, seq, 2 * mlp]
+      g, u = jnp.split(gu, 2, axis=-1)
+      h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
+      out = self.packed_down(h).astype(self.dtype)
+      return constrain(out, ("batch", "seq", "embed"))
     g = jnp.einsum("bsd,dm->bsm", x, self.gate[...].astype(self.dtype))  # [batch, seq, mlp]
     u = jnp.einsum("bsd,dm->bsm", x, self.up[...].astype(self.dtype))
     h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
