@@ -71,7 +71,7 @@ def shard_params(module: nnx.Module, mesh, rules=None):
 
 DECODE_FORMATS = ("float32", "bfloat16", "int8")
 
-#: Rows (batch x new tokens) up to which a bf16/int8 matmul reads its weights through the
+#: Rows (batch x new tokens) up to which a DecodeWeight matmul reads its weights through the
 #: fused multiply-reduce (decode); above it the weights are dequantised and fed to a dot (prefill).
 SMALL_M = 16
 
@@ -90,15 +90,15 @@ def quantize_rows_int8(rows):
 
 
 def row_matmul(x, rows, scale=None):
-  """``x [m, in] @ (rows [out, in] * scale[:, None]).T -> float32 [m, out]``, dequantised in the
-  matmul (``rows`` bfloat16 or int8, ``scale [out]`` or None).
+  """``x [m, in] @ (rows [out, in] * scale[:, None]).T -> float32 [m, out]`` (``rows`` f32,
+  bf16 or int8, dequantised inside the matmul; ``scale [out]`` or None).
 
-  XLA:CPU has no fast dot for int8 or bf16 weights against f32 activations: a ``convert`` feeding
-  a dot is emitted as a scalar loop (~20x slower than the f32 gemv here). For decode (``m <=
+  XLA:CPU has no fast dot for int8 or bf16 weights against f32 activations: a ``convert``
+  feeding a dot becomes a scalar loop (~20x slower than the f32 gemv here). For decode (``m <=
   SMALL_M``) the product is instead the row reduction ``sum_k rows[n, k] * x[m, k]``, which XLA
-  fuses (convert included) and runs on all cores, reading each weight byte once: 1 or 2 bytes
-  per weight instead of 4. One row takes a slow single-row reduction path, so ``m`` is padded to
-  2. Prefill is compute-bound: there the rows are dequantised to f32 and fed to a dot.
+  fuses (convert included) and runs on all cores, reading each weight byte once. A single row
+  takes a slow one-row reduction path, so ``m`` is padded to 2. Prefill is compute-bound: there
+  the rows are dequantised to f32 and fed to a dot.
   """
   if x.ndim != 2 or rows.ndim != 2 or x.shape[1] != rows.shape[1]:
     raise ShapeError(f"row_matmul takes x [m, in] and rows [out, in], got {x.shape} and {rows.shape}")
@@ -115,16 +115,19 @@ def row_matmul(x, rows, scale=None):
 
 
 class DecodeWeight(nnx.Module):
-  """A linear map ``[in, out]`` stored for memory-bound decode.
+  """A linear map ``[in, out]`` stored for memory-bound decode, as rows ``w [out, in]`` (each
+  output channel's weights contiguous):
 
-  * ``"float32"``: ``w [in, out]``, multiplied with a dot (XLA's gemv reads it at the memory
-    bound at batch 1).
-  * ``"bfloat16"``: ``w [out, in]`` bf16 rows (half the bytes), :func:`row_matmul`.
-  * ``"int8"``: ``w [out, in]`` int8 rows and ``scale [out]`` f32, one per output channel
-    (:func:`quantize_rows_int8`; a quarter of the bytes), :func:`row_matmul`.
+  * ``"float32"``: f32 rows;
+  * ``"bfloat16"``: bf16 rows, half the bytes;
+  * ``"int8"``: int8 rows and ``scale [out]`` f32, one per output channel
+    (:func:`quantize_rows_int8`), a quarter of the bytes.
 
-  Rows are output channels, so for bf16/int8 the same storage serves as an embedding table
-  (:meth:`rows_at`), e.g. a tied LM head. Calls return float32 ``[..., out]``.
+  A call with one row (batch-1 decode) is XLA's gemv for f32 (at the memory bound, on all
+  cores); otherwise it is :func:`row_matmul` (XLA hands f32 dots of 2..16 rows to YNNPACK,
+  which at batch 8 was slower here than the row reduction). Rows
+  also make this an embedding table (:meth:`rows_at`), e.g. for a tied LM head. Calls return
+  float32 ``[..., out]``.
   """
 
   def __init__(self, w, fmt: str = "float32", logical=(None, None)):
