@@ -6,5 +6,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "VOCAB": "synthetic", "Vocab": "synthetic", "Example": "synthetic", "TASKS": "synthetic",
     "make_example": "synthetic", "examples": "synthetic", "reward": "synthetic",
     "training_batch": "synthetic", "token_names": "synthetic", "detokenize": "synthetic",
-    "save_tokenizer": "synthetic",
+    "save_tokenizer": "synthetic", "passkey_text": "synthetic", "PASSKEY_FILLER": "synthetic",
 })

@@ -256,3 +256,32 @@ def save_tokenizer(path, v: Vocab = VOCAB):
                                  pad_token="<pad>")
   fast.save_pretrained(str(path))
   return path
+
+
+#: The filler of the text passkey task (Mohtashami & Jaggi, 2023).
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def passkey_text(seed: int, n_filler: int, *, depth: float | None = None,
+                 digits: int = 5) -> tuple[str, str]:
+  """Text passkey retrieval for a real tokenizer: ``(document, key)``.
+
+  The document is an instruction, ``n_filler`` repetitions of :data:`PASSKEY_FILLER` and, after
+  ``round(depth * n_filler)`` of them, ``"The pass key is K. Remember it. K is the pass key."``
+  with a random ``digits``-digit key K; ``depth`` (in [0, 1]) is drawn from the seed when None.
+  The caller adds the question ("What is the pass key?") in its own prompt format and sizes
+  ``n_filler`` to a token budget with its tokenizer.
+  """
+  if n_filler < 0 or digits < 1:
+    raise ConfigError(f"{n_filler=} must be >= 0 and {digits=} >= 1")
+  if depth is not None and not 0.0 <= depth <= 1.0:
+    raise ConfigError(f"{depth=} must lie in [0, 1] or be None")
+  rng = np.random.default_rng([seed, 7919])
+  key = str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+  at = round((rng.random() if depth is None else depth) * n_filler)
+  needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+  parts = [PASSKEY_FILLER] * n_filler
+  parts.insert(at, needle)
+  head = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+          "Find it and memorize it. I will quiz you about it.")
+  return " ".join([head, *parts]), key

@@ -81,3 +81,15 @@ def test_copy_length_range_varies_the_copy_distance():
     assert list(e.answer[:-1]) == list(e.prompt[2:-1])  # the answer repeats the sequence
   with pytest.raises(ConfigError, match="copy n"):
     S.examples("copy", seed=0, count=1, length=20, n=(10, 50))  # low above (20 - 4) // 2
+
+
+def test_passkey_text_hides_one_key_at_the_requested_depth():
+  from jaxsys.data import PASSKEY_FILLER, passkey_text
+  doc, key = passkey_text(3, 10, depth=0.3)
+  assert passkey_text(3, 10, depth=0.3) == (doc, key) and len(key) == 5 and key.isdigit()
+  assert doc.count(key) == 2 and doc.count(PASSKEY_FILLER) == 10
+  before = doc.split("The pass key is")[0]
+  assert before.count(PASSKEY_FILLER) == 3
+  assert passkey_text(4, 10)[1] != key
+  with pytest.raises(ConfigError, match="depth"):
+    passkey_text(0, 4, depth=1.5)
