@@ -48,9 +48,9 @@ def test_unquantized_synchronous_equals_single_device(setup):
   assert not np.allclose(jax.tree.leaves(p)[0], jax.tree.leaves(params)[0])  # it trained
 
 
-def test_step_on_every_mesh_kind(mesh_kind):
-  """One exact step (float exchange) == single device on 2 devices of each mesh kind: Explicit
-  and Auto axes inside a mesh context (Explicit: resharded inputs), jaxsys meshes without."""
+@pytest.fixture(scope="module")
+def small():
+  """A 2-part graph, its plan, GCN params and the single-device loss of one exact step."""
   ds = graphs.sbm_graph(48, num_classes=3, num_features=8, avg_degree=4, seed=2)
   plan = build_partition_plan(ds.senders, ds.receivers, ds.num_nodes,
                               np.arange(ds.num_nodes) % 2, 2)
@@ -59,7 +59,14 @@ def test_step_on_every_mesh_kind(mesh_kind):
   cfg = SylvieConfig(quantize=False, staleness=0, dropout=0.5)
   tx = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
   args = [jnp.asarray(a) for a in (ds.features, ds.senders, ds.receivers, ds.labels, ds.train_mask)]
-  _, _, ref_loss = reference_step(params, tx.init(params), *args, jnp.uint32(0), tx, cfg.dropout)
+  ref = jax.jit(lambda p, o: reference_step(p, o, *args, jnp.uint32(0), tx, cfg.dropout))
+  return ds, plan, dims, params, cfg, ref(params, tx.init(params))[2]
+
+
+def test_step_on_every_mesh_kind(small, mesh_kind):
+  """One exact step (float exchange) == single device on 2 devices of each mesh kind: Explicit
+  and Auto axes inside a mesh context (Explicit: resharded inputs), jaxsys meshes without."""
+  ds, plan, dims, params, cfg, ref_loss = small
   mesh = build_mesh(mesh_kind, {"graph": 2})
   with mesh_context(mesh, mesh_kind != "jaxsys"):
     trainer = SylvieTrainer(plan, dims, cfg, mesh)

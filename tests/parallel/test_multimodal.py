@@ -71,14 +71,15 @@ def test_frame_encoder_on_frames_split_over_explicit_axes(devices):
   (per-video vmap, no reshape that merges the sharded frame dim behind the batch)."""
   from flax import nnx
 
-  from jaxsys.models.vlm import VLM, VLMConfig
+  from jaxsys.models.vlm import FrameEncoder, VLMConfig
   mesh = build_mesh("explicit", {"ring": 2, "ulysses": 2})
-  cfg = VLMConfig(lm=VLMConfig().lm.replace(num_layers=1))
-  model = VLM(cfg, rngs=nnx.Rngs(0), mesh=mesh, strategy="hybrid", impl="reference")
+  plan = api.make_plan(mesh, "hybrid")
+  cfg = VLMConfig()
+  encoder = FrameEncoder(cfg, rngs=nnx.Rngs(0))
   frames = jax.random.normal(jax.random.PRNGKey(0), (2, 4, cfg.patches, cfg.patch_dim))
-  want = jax.jit(lambda f: model.projector(model.encoder(f)))(frames)  # unsplit frames
+  want = jax.jit(encoder)(frames)
   with mesh_context(mesh, True):
-    got = jax.jit(lambda f: model.frame_tokens(f))(frames)
+    got = jax.jit(lambda f: encoder(multimodal.shard_frames(f, mesh, plan)))(frames)
   assert got.sharding.spec[1] == ("ring", "ulysses")
   np.testing.assert_allclose(got, want, atol=1e-5)
 
