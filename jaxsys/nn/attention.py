@@ -12,6 +12,9 @@
 scale=, q_offset=, kv_lengths=); only non-None keywords are passed, so a sequence-parallel
 attention without cache support can be dropped in (``functools.partial(fn, mesh=...)``).
 
+With a cache and at most ``DECODE_MAX_Q`` new tokens, the default XLA attention is replaced by
+:func:`decode_attention` (same math, no copy of the cache per layer per step).
+
 GQA (Ainslie et al., 2023): query head h reads kv head ``h // (heads // kv_heads)``.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -149,6 +153,62 @@ class Attention(nnx.Module):
     bidx = jnp.arange(b)[:, None]
     k_cache = k_cache.at[bidx, rows].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[bidx, rows].set(v.astype(v_cache.dtype), mode="drop")
-    o = self.attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
-                    q_offset=cache_lengths, kv_lengths=cache_lengths + s)
+    kc, vc = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+    if s <= DECODE_MAX_Q and _is_default_xla(self.attention_fn):
+      o = decode_attention(q, kc, vc, mask=self.mask, q_offset=cache_lengths,
+                           kv_lengths=cache_lengths + s)
+    else:
+      o = self.attend(q, kc, vc, q_offset=cache_lengths, kv_lengths=cache_lengths + s)
     return self.project_out(o), (k_cache, v_cache)
+
+
+#: Queries per row up to which a cached call uses :func:`decode_attention` (decode steps,
+#: draft verification); longer calls (chunked prefill) go through ``attention_fn``.
+DECODE_MAX_Q = 16
+
+
+def _is_default_xla(fn) -> bool:
+  """True for ``default_attention_fn(impl)`` running the XLA backend (CPU auto, or "xla")."""
+  if not (isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "attention"
+          and fn.func.__module__ == "jaxsys.ops.attention.api"):
+    return False
+  impl = fn.keywords.get("impl", "auto")
+  return impl == "xla" or (impl == "auto" and jax.default_backend() == "cpu")
+
+
+def decode_attention(q, k_cache, v_cache, *, mask, q_offset, kv_lengths):
+  """Attention of a few queries over a contiguous cache, without moving the cache.
+
+  ``q [b, s, heads, d]``, caches ``[b, T, kv_heads, d]``. Batched per kv head, the usual GQA
+  contraction needs the cache as ``[b, kv_heads, T, d]``: XLA copies both caches every layer of
+  every step (as many bytes as the weights at a few thousand tokens). Here the cache is read
+  as the matrix ``[b, T, kv_heads * d]`` (a free reshape) against block-diagonal queries
+  ``[b, kv_heads * d, heads * s]`` (query head h in kv head h // g's block), so
+  ``scores [b, T, heads * s]`` is one plain matmul; ``p^T [heads * s, T] @ V [T, kv_heads * d]``
+  gives every (head, kv head) pair and the diagonal blocks are the outputs. The extra
+  ``kv_heads``-fold multiply-adds are tiny next to reading the cache. Visibility (mask, query
+  offsets, lengths) is ``jaxsys.ops.attention``'s own; statistics are float32.
+  """
+  from jaxsys.ops.attention.common import validate, visible_mask
+  args = validate(q, k_cache, v_cache, mask=mask, q_offset=q_offset, kv_lengths=kv_lengths)
+  b, s, h, d = q.shape
+  t, hk = k_cache.shape[1], k_cache.shape[2]
+  g = h // hk
+  qf = q.astype(jnp.float32) * args.scale
+  qf = qf.reshape(b, s, hk, g, d).transpose(0, 2, 4, 3, 1)               # [b, hk, d, g, s]
+  eye = jnp.eye(hk, dtype=jnp.float32)
+  qbd = (eye[None, :, None, :, None, None] * qf[:, :, :, None]).reshape(b, hk * d, h * s)
+  kf = k_cache.astype(jnp.float32).reshape(b, t, hk * d)
+  vf = v_cache.astype(jnp.float32).reshape(b, t, hk * d)
+  sc = jnp.einsum("btc,bcj->btj", kf, qbd)                                # [b, T, heads * s]
+  vis = visible_mask(args, jnp.arange(s), jnp.arange(t))                  # [b|1, h|1, s, T]
+  vis = jnp.broadcast_to(vis, (vis.shape[0], h, s, t)).transpose(0, 3, 1, 2).reshape(-1, t, h * s)
+  sc = jnp.where(vis, sc, -jnp.inf)
+  m = jnp.max(sc, axis=1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(sc - m)                                                     # [b, T, heads * s]
+  l = jnp.sum(p, axis=1)                                                  # [b, heads * s]
+  o = jnp.einsum("btj,btc->bjc", p, vf).reshape(b, hk, g, s, hk, d)       # every kv head
+  o = jnp.einsum("bkgskd->bkgsd", o)                                      # its own block
+  o = o / jnp.where(l > 0, l, 1.0).reshape(b, hk, g, s)[..., None]        # unseen rows: 0
+  return o.reshape(b, h, s, d).transpose(0, 2, 1, 3).astype(q.dtype)

@@ -107,6 +107,10 @@ def row_matmul(x, rows, scale=None):
   if m <= SMALL_M:
     if m < 2:
       xf = jnp.concatenate([xf, jnp.zeros_like(xf)], axis=0)
+    # Tie the weights to the (loop-variant) activations: inside a decode while_loop XLA would
+    # otherwise hoist the loop-invariant convert out of the loop and materialise every weight in
+    # f32 once, so each step would read 4 bytes per weight instead of 1 or 2.
+    rows, xf = jax.lax.optimization_barrier((rows, xf))
     prod = rows.astype(jnp.float32)[:, None, :] * xf[None, :, :]   # [out, m, in], fused away
     y = jnp.sum(prod, axis=-1).T[:m]                                 # [m, out]
   else:

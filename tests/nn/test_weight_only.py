@@ -1,4 +1,5 @@
-"""Decode weights: fused f32, bf16 and weight-only int8 (per-output-channel scales) vs float32."""
+"""The small-M decode path: fused f32, bf16 and weight-only int8 weights (per-output-channel
+scales) vs float32, and decode attention over the cache in place."""
 
 import importlib
 
@@ -11,7 +12,9 @@ from flax import nnx
 import jaxsys.models as M
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.models.decoder import pack_for_decode
+from jaxsys.nn.attention import decode_attention
 from jaxsys.nn.layers import SMALL_M, DecodeWeight, quantize_rows_int8, row_matmul
+from jaxsys.ops import attention, masks
 from jaxsys.serving.kv_cache import KVCache
 
 CFG = M.DecoderConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -112,3 +115,31 @@ def test_bad_formats_and_shapes(models):
     pack_for_decode(pack_for_decode(models["untied"], "int8"), "int8")
   with pytest.raises(ShapeError):
     row_matmul(jnp.ones((2, 3)), jnp.ones((4, 5), jnp.int8))
+
+
+@pytest.mark.parametrize("mask", [masks.Causal(), masks.Local(7)])
+@pytest.mark.parametrize("s", [1, 3])
+def test_decode_attention_equals_the_reference(mask, s):
+  rng = np.random.default_rng(3)
+  b, t = 2, 40
+  q = jnp.asarray(rng.standard_normal((b, s, 6, 8)).astype(np.float32))
+  k, v = (jnp.asarray(rng.standard_normal((b, t, 2, 8)).astype(np.float32)) for _ in range(2))
+  off = jnp.asarray([5, t - s], jnp.int32)
+  ref = attention(q, k, v, mask=mask, q_offset=off, kv_lengths=off + s, impl="reference")
+  out = decode_attention(q, k, v, mask=mask, q_offset=off, kv_lengths=off + s)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+
+
+def test_cached_step_does_not_transpose_the_cache(models):
+  # the GQA contraction over [batch, T, kv_heads, d] caches used to copy both caches to
+  # [batch, kv_heads, T, d] in every layer of every step
+  model = models["untied"]
+  gd, st = nnx.split(model)
+  cache = KVCache.init(model.config, 2, 64)
+
+  def step(st, cache, tokens):
+    return nnx.merge(gd, st)(tokens, cache=cache).logits
+
+  entry = jax.jit(step).lower(st, cache, jnp.ones((2, 1), jnp.int32)).compile().as_text()
+  entry = entry.split("ENTRY", 1)[1]
+  assert "f32[2,64,2,8]" in entry and "f32[2,2,64,8]" not in entry and "f32[2,2,8,64]" not in entry
