@@ -10,6 +10,7 @@ runnable alone as ``python -m experiments.<name> [--quick] [--out DIR]``.
 REGISTRY: dict[str, tuple[str, str, str]] = {
     "attention": ("experiments.attention", "foundation", "blockwise / block-sparse attention vs naive and peers"),
     "decode_speed": ("experiments.decode_speed", "decoder LM", "greedy decode tokens/s, jaxsys vs transformers"),
+    "real_lm": ("experiments.real_lm", "decoder LM", "SmolLM2-135M: decode/prefill vs llama.cpp, passkey, bf16/int8 weights"),
     "tiny_lm": ("experiments.tiny_lm_eval", "decoder LM", "tiny trained model: recall vs context length, RoPE scaling"),
     "mmsp": ("experiments.mmsp", "LongVILA MM-SP", "sequence-parallel attention: comm bytes, memory, step time, balance"),
     "vniah": ("experiments.vniah", "LongVILA MM-SP", "video needle-in-a-haystack before/after long-context extension"),

