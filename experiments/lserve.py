@@ -8,7 +8,7 @@
 (b) prefill attention time with 50% streaming heads (one block-sparse attention call with a
     per-head mask) vs dense causal; ideal = dense blocks / visited blocks.
 (c) KV memory per token of context (dense vs LServe, incl. page statistics).
-(d) end-to-end decode tokens/s of ``jaxsys.serving.Engine`` at long context, dense vs LServe
+(d) end-to-end decode tokens/s of ``jaxsys.serving.ServingEngine`` at long context, dense vs LServe
     (a small random-weight model whose attention shape matches (a)).
 (e) accuracy on the tiny trained retrieval model (``experiments/lserve_accuracy.py``).
 """
@@ -185,7 +185,7 @@ def engine_rows(quick: bool) -> list[Row]:
   """(d) end-to-end decode tokens/s of the engine, dense vs LServe (random weights)."""
   from jaxsys.models._decoder_config import DecoderConfig
   from jaxsys.models.decoder import random_model
-  from jaxsys.serving import Engine, EngineConfig
+  from jaxsys.serving import ServingEngine, ServingConfig
   ctx = 4096 if quick else 32768
   new = 16 if quick else 32
   mc = DecoderConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_layers=2,
@@ -197,9 +197,9 @@ def engine_rows(quick: bool) -> list[Row]:
   tps = {}
   for name, ls, streaming in (("dense", lserve.LServeConfig(dense=True), None),
                               ("lserve", lserve.LServeConfig(), flags)):
-    cfg = EngineConfig(lserve=ls, max_batch=1, num_pages=(ctx + 2 * new) // PAGE + 2,
+    cfg = ServingConfig(lserve=ls, max_batch=1, num_pages=(ctx + 2 * new) // PAGE + 2,
                        max_seq_len=ctx + 2 * new, prefill_chunk=ctx)
-    eng = Engine(model, cfg, streaming=streaming)
+    eng = ServingEngine(model, cfg, streaming=streaming)
     eng.generate([prompt[:64]], 2 * ls.reuse_steps, stop_tokens=())  # compile the decode steps
     res = eng.generate([prompt], new, stop_tokens=())
     tps[name] = res.decode_tokens_per_second
@@ -229,12 +229,12 @@ def passkey_data(n: int, length: int, seed: int, task: str = "passkey"):
 
 def _accuracy(model, exs, ls, streaming, max_batch=8) -> float:
   from jaxsys.data import synthetic
-  from jaxsys.serving import Engine, EngineConfig
+  from jaxsys.serving import ServingEngine, ServingConfig
   longest = max(len(e.prompt) for e in exs) + 8
-  cfg = EngineConfig(lserve=ls, max_batch=max_batch, max_seq_len=longest,
+  cfg = ServingConfig(lserve=ls, max_batch=max_batch, max_seq_len=longest,
                      num_pages=max_batch * (-(-longest // ls.page_size)) + 1,
                      prefill_chunk=1 << (longest - 1).bit_length())
-  res = Engine(model, cfg, streaming=streaming).generate([list(e.prompt) for e in exs],
+  res = ServingEngine(model, cfg, streaming=streaming).generate([list(e.prompt) for e in exs],
                                                         len(exs[0].answer), stop_tokens=())
   return 100.0 * float(np.mean([synthetic.reward(e, t) for e, t in zip(exs, res.tokens)]))
 

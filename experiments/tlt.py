@@ -67,7 +67,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   from jaxsys.rl import grpo, tasks
   from jaxsys.speculative import online
   from jaxsys.speculative.bandit import Strategy
-  from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+  from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
   from jaxsys.speculative.pool import ExecutablePool
   from jaxsys.speculative.sampling import SamplingParams
 
@@ -89,7 +89,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
               sampling=SamplingParams(cfg["temperature"]), fused=True)
   pool = ExecutablePool(max_entries=256)
   drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(1))
-  warm = RolloutEngine(policy, drafter, EngineConfig(**base, speculative=False), pool=pool)
+  warm = RolloutEngine(policy, drafter, RolloutConfig(**base, speculative=False), pool=pool)
   sampler = tasks.LongTailMix(long_fraction=0.5, seed=11, **mix)
   n_warm = cfg["drafter_warm_rollouts"]
   buffer = online.DrafterBuffer(max_steps=n_warm, seed=0)
@@ -114,7 +114,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   print(f"[tlt] warm-up done in {time.perf_counter() - t_start:.0f}s: {log['drafter_warm']}")
 
   # ---- 1) acceptance and speedup vs batch size (sampled, long responses) ------------------
-  spec_engine = RolloutEngine(policy, drafter0, EngineConfig(**base), pool=pool)
+  spec_engine = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
   rng = np.random.default_rng(3)
   rows, curve = [], {"batch": [], "chain_acc": [], "tree_acc": [], "chain_speedup": [], "tree_speedup": []}
   for b in cfg["batches"]:
@@ -147,7 +147,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   def make_trainer(speculative: bool):
     pol_copy = nnx.merge(*nnx.split(policy))
     # TLT's engine adapts: its bandit may also run the long tail without drafting (vanilla_arm).
-    eng = RolloutEngine(pol_copy, drafter0, EngineConfig(**base, speculative=speculative, vanilla_arm=speculative),
+    eng = RolloutEngine(pol_copy, drafter0, RolloutConfig(**base, speculative=speculative, vanilla_arm=speculative),
                         pool=pool)
     tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=7, **mix)
     # The online buffer holds the latest online_buffer rollouts, seeded with the last warm-up
@@ -182,8 +182,8 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, dur, **kw: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
   eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(9))]
-  frozen_eval = RolloutEngine(policy, drafter0, EngineConfig(**base), pool=pool)
-  online_eval = RolloutEngine(policy, drafter0, EngineConfig(**base), pool=pool)
+  frozen_eval = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
+  online_eval = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
   hist = {"tlt": [], "vanilla": [], "acc_frozen": [], "acc_online": []}
   for step in range(cfg["grpo_steps"]):
     for name, tr in (("vanilla", van), ("tlt", tlt)):  # interleaved: same machine load

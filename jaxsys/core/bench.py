@@ -6,6 +6,7 @@ one process and report ratios.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import platform
@@ -104,3 +105,13 @@ def hardware_string() -> str:
     return f"cpu: {cores} cores, {proc}"
   devs = jax.devices()
   return f"{backend}: {len(devs)} x {devs[0].device_kind}"
+
+
+#: How often each named jitted function was traced (a retrace means a recompile), for tests and
+#: benchmarks that check a bucket is reused. Keys are ``"<module>.<function>"``-style names.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def count_trace(name: str) -> None:
+  """Call at the top of a jitted function's Python body: counts one trace of ``name``."""
+  TRACE_COUNTS[name] += 1

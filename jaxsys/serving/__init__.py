@@ -6,8 +6,8 @@ from jaxsys._lazy import lazy_exports
 from jaxsys.serving.generate import GenerationResult, Sampling, generate  # noqa: E402
 
 _getattr, __dir__ = lazy_exports(__name__, {
-    "Engine": "engine",
-    "EngineConfig": "engine",
+    "ServingEngine": "engine",
+    "ServingConfig": "engine",
 })
 
 

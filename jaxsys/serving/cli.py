@@ -92,7 +92,7 @@ def load_model(name: str):
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  from jaxsys.serving.engine import Engine, EngineConfig
+  from jaxsys.serving.engine import ServingEngine, ServingConfig
   from jaxsys.serving.generate import Sampling
   from jaxsys.serving.lserve import LServeConfig
   from jaxsys.serving.streaming import StreamingGates
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ls = LServeConfig(dense=args.dense, page_size=args.page_size, logical_page_size=args.logical_page,
                       token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
                       window=args.window, kv_int8=args.kv_int8)
-    cfg = EngineConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
+    cfg = ServingConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
                        max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
                        else args.max_seq_len)
     streaming = None
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         print(f"note: gates were learned with sink={gates.sink}, window={gates.window}",
               file=sys.stderr)
       streaming = gates.streaming
-    engine = Engine(load_model(args.model), cfg, streaming=streaming)
+    engine = ServingEngine(load_model(args.model), cfg, streaming=streaming)
     sampling = None if args.temperature is None else Sampling(args.temperature, top_p=args.top_p,
                                                                 seed=args.seed)
     max_new = [args.max_new_tokens if m is None else int(m) for m in news]

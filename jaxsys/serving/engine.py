@@ -1,13 +1,13 @@
 """Serving engine: continuous batching over a paged KV cache, dense or LServe sparse attention.
 
-``Engine(model, EngineConfig(...), streaming=flags)`` serves ragged requests with a fixed number
+``ServingEngine(model, ServingConfig(...), streaming=flags)`` serves ragged requests with a fixed number
 of batch slots: between decode steps finished requests leave (their pages return to the free
 list) and waiting requests join (prefill fills their pages, their first token is sampled from
 the prefill logits). Every decode step is one jitted call over all slots (static shapes: slots
 x page-table bucket), with two executables: one that refreshes the page selection and one that
 reuses it (LServe reuses a selection for ``reuse_steps`` steps).
 
-* ``EngineConfig(lserve=LServeConfig(dense=True))``: every head reads every page (the exact
+* ``ServingConfig(lserve=LServeConfig(dense=True))``: every head reads every page (the exact
   dense baseline on the same cache).
 * LServe mode: retrieval heads read the top pages of the hierarchical selector under
   ``token_budget``; streaming heads (``streaming`` flags ``bool[layers, kv_heads]``, e.g. from
@@ -22,7 +22,7 @@ the call went back to the pool (as vLLM aborts a request): the engine stays usab
 
 Usage::
 
-  engine = Engine(model, EngineConfig(max_batch=4, num_pages=512), streaming=gates.streaming)
+  engine = ServingEngine(model, ServingConfig(max_batch=4, num_pages=512), streaming=gates.streaming)
   res = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
   res.tokens[0], res.errors[1]
 """
@@ -49,7 +49,7 @@ from jaxsys.serving.prefill import check_model, prefill
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class ServingConfig:
   """Slots, pool and sequence limits of the engine and its attention mode (``lserve``).
 
   ``max_seq_len`` bounds prompt + new tokens of a request; the engine lowers it to the model's
@@ -72,7 +72,7 @@ class EngineConfig:
 
 
 @dataclasses.dataclass
-class EngineResult:
+class ServingResult:
   tokens: list[list[int]]
   finished: list[bool]           # stopped on a stop token
   errors: list[str | None]       # why a request was rejected (None if served)
@@ -97,10 +97,10 @@ class _Request:
   finished: bool = False
 
 
-class Engine:
+class ServingEngine:
   """See the module docstring."""
 
-  def __init__(self, model, config: EngineConfig = EngineConfig(), streaming=None):
+  def __init__(self, model, config: ServingConfig = ServingConfig(), streaming=None):
     self.model = model
     self.config = config
     ls = config.lserve
@@ -154,7 +154,7 @@ class Engine:
 
   # -- generation ---------------------------------------------------------------------------
   def generate(self, prompts, max_new_tokens, *, sampling: Sampling | None = None,
-               stop_tokens=None, progress: bool = False, return_logits: bool = False) -> EngineResult:
+               stop_tokens=None, progress: bool = False, return_logits: bool = False) -> ServingResult:
     """Serves all prompts with continuous batching; see the module docstring.
 
     ``max_new_tokens``: an int or one per prompt. ``sampling=None`` is greedy.
@@ -175,7 +175,7 @@ class Engine:
       if errors[r.index] is None:
         waiting.append(r)
     slots: list[_Request | None] = [None] * self.config.max_batch
-    res = EngineResult([[] for _ in arrs], [False] * len(arrs), errors,
+    res = ServingResult([[] for _ in arrs], [False] * len(arrs), errors,
                        [None] * len(arrs) if return_logits else None)
     bar = _progress(progress, sum(r.max_new for r in waiting))
     try:

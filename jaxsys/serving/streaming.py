@@ -18,7 +18,7 @@ Usage::
 
   gates = identify_streaming_heads(model, (tokens, answer_mask), sink=16, window=64, sparsity=0.5)
   gates.save("gates.json"); gates = StreamingGates.load("gates.json")
-  Engine(model, cfg, streaming=gates.streaming)
+  ServingEngine(model, cfg, streaming=gates.streaming)
 """
 
 from __future__ import annotations

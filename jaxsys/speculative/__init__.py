@@ -20,7 +20,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "accept_tree": "acceptance", "accept_batch": "acceptance",
     "Strategy": "bandit", "BucketedBandit": "bandit",
     "ExecutablePool": "pool", "enable_persistent_cache": "pool",
-    "RolloutEngine": "engine", "EngineConfig": "engine",
+    "RolloutEngine": "engine", "RolloutConfig": "engine",
     "DrafterBuffer": "online", "DrafterTrainer": "online", "SpotTrainer": "online",
     "save_drafter": "online", "load_drafter": "online",
 })

@@ -17,7 +17,7 @@ latency bound and verification of many draft tokens is almost free). TLT's engin
 
 Usage::
 
-  engine = RolloutEngine(model, drafter, EngineConfig(strategies=(Strategy.chain(4),), max_new=128))
+  engine = RolloutEngine(model, drafter, RolloutConfig(strategies=(Strategy.chain(4),), max_new=128))
   engine.precompile()                       # optional: everything before the first rollout
   res = engine.generate(prompts, seed=0)   # res.tokens[i], res.stats
 """
@@ -43,7 +43,7 @@ from jaxsys.speculative.sampling import GREEDY, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class RolloutConfig:
   strategies: tuple[Strategy, ...] = (Strategy.chain(4),)
   max_new: int = 64
   max_prompt: int = 32
@@ -108,7 +108,7 @@ class RolloutResult:
 class RolloutEngine:
   """See the module docstring."""
 
-  def __init__(self, model, drafter, config: EngineConfig, *, pool: ExecutablePool | None = None):
+  def __init__(self, model, drafter, config: RolloutConfig, *, pool: ExecutablePool | None = None):
     if drafter is None and config.speculative:
       raise ConfigError("speculative=True needs a drafter")
     if drafter is not None:
@@ -265,7 +265,7 @@ class RolloutEngine:
     c = self.config
     if force_strategy is not None and force_strategy not in c.strategies:
       raise ConfigError(f"force_strategy {force_strategy.name} is not one of the engine's strategies "
-                        "(EngineConfig.strategies fixes the cache and acceptance sizes)")
+                        "(RolloutConfig.strategies fixes the cache and acceptance sizes)")
     arrs = self._check_prompts(prompts)
     speculate = c.speculative if speculative is None else speculative
     if speculate and self.dstate is None:
@@ -343,7 +343,7 @@ class RolloutEngine:
     return self._finish(state, rows, results, n, stats, t_start, arrs)
 
   def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy):
-    """Two on-device phases (see ``EngineConfig.fused``); fills ``stats`` like the step loop."""
+    """Two on-device phases (see ``RolloutConfig.fused``); fills ``stats`` like the step loop."""
     c = self.config
     if force_strategy is None:  # phase 1: full batch, vanilla, until the long tail starts
       t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from jaxsys.models.drafter import DrafterConfig, EagleDrafter
 from jaxsys.rl import grpo, policy as pol, tasks
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
-from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 from jaxsys.speculative.sampling import GREEDY, SamplingParams
 
 PCFG = pol.policy_config(hidden=16, layers=1)
@@ -74,7 +74,7 @@ def test_config_errors():
 def test_trainer_steps_with_spot_drafter_training(synchronous):
   policy = random_model(PCFG, 0)
   drafter = EagleDrafter(DrafterConfig.for_target(PCFG), rngs=nnx.Rngs(1))
-  engine = RolloutEngine(policy, drafter, EngineConfig(
+  engine = RolloutEngine(policy, drafter, RolloutConfig(
       strategies=(Strategy.chain(2),), max_new=6, max_prompt=8, batch_buckets=(8,), spec_threshold=9,
       stop_tokens=(tasks.EOS,), sampling=SamplingParams(1.0)))
   buffer = online.DrafterBuffer()
@@ -106,7 +106,7 @@ def test_trainer_steps_with_spot_drafter_training(synchronous):
   dchanged = jax.tree.map(lambda a, b: bool(np.any(a != b)), dstate_before, jax.device_get(engine.dstate))
   assert any(jax.tree.leaves(dchanged))
   with pytest.raises(ConfigError, match="sampled rollouts"):
-    grpo.GRPOTrainer(policy, RolloutEngine(policy, drafter, EngineConfig(max_prompt=8, sampling=GREEDY)),
+    grpo.GRPOTrainer(policy, RolloutEngine(policy, drafter, RolloutConfig(max_prompt=8, sampling=GREEDY)),
                      tasks.TaskSampler(), grpo.GRPOConfig())
 
 
@@ -136,7 +136,7 @@ def test_build_batch_pad_and_custom_reward():
 
 def test_length_grouped_minibatches_are_exact_and_precompiled():
   policy = random_model(PCFG, 0)
-  engine = RolloutEngine(policy, None, EngineConfig(max_new=6, max_prompt=8, batch_buckets=(8,),
+  engine = RolloutEngine(policy, None, RolloutConfig(max_new=6, max_prompt=8, batch_buckets=(8,),
                                                     stop_tokens=(tasks.EOS,), sampling=SamplingParams(1.0),
                                                     speculative=False))
   cfg = grpo.GRPOConfig(group_size=2, prompts_per_step=4, minibatches=2, length_bucket=8)

@@ -1,4 +1,4 @@
-"""Engine: dense and LServe decode equal a full forward; continuous batching; rejection; CLI."""
+"""ServingEngine: dense and LServe decode equal a full forward; continuous batching; rejection; CLI."""
 
 import json
 
@@ -12,7 +12,7 @@ import jaxsys.models as M
 from jaxsys.core.errors import ConfigError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.models.decoder import random_model
-from jaxsys.serving import Engine, EngineConfig
+from jaxsys.serving import ServingEngine, ServingConfig
 from jaxsys.serving.lserve import LServeConfig
 
 SMALL = dict(page_size=8, logical_page_size=4, sink=4, window=8)
@@ -31,7 +31,7 @@ def _prompts(lengths=(40, 35, 50), seed=0):  # one prompt bucket (64): one prefi
 
 
 def _dense_engine(model):
-  return Engine(model, EngineConfig(lserve=LServeConfig(dense=True, token_budget=64, **SMALL),
+  return ServingEngine(model, ServingConfig(lserve=LServeConfig(dense=True, token_budget=64, **SMALL),
                                     max_batch=2, num_pages=24, max_seq_len=80))
 
 
@@ -40,7 +40,7 @@ def test_dense_and_lserve_decode_equal_full_forward(model):
   dense = _dense_engine(model)
   r1 = dense.generate(prompts, news, return_logits=True, stop_tokens=())
   # LServe with budget >= context and no streaming heads, chunked prefill: exact as well
-  ls = Engine(model, EngineConfig(lserve=LServeConfig(token_budget=64, **SMALL), max_batch=2,
+  ls = ServingEngine(model, ServingConfig(lserve=LServeConfig(token_budget=64, **SMALL), max_batch=2,
                                   num_pages=24, max_seq_len=80, prefill_chunk=32))
   r2 = ls.generate(prompts, news, return_logits=True, stop_tokens=())
   assert [len(t) for t in r1.tokens] == news and r1.tokens == r2.tokens
@@ -68,15 +68,15 @@ def test_rejects_request_it_cannot_hold_without_disturbing_others(model):
 
 def test_streaming_engine_and_config_errors(model, tmp_path):
   flags = [[False, True], [True, False]]
-  e = Engine(model, EngineConfig(lserve=LServeConfig(token_budget=24, **SMALL), max_batch=2,
+  e = ServingEngine(model, ServingConfig(lserve=LServeConfig(token_budget=24, **SMALL), max_batch=2,
                                  num_pages=24, max_seq_len=80), streaming=flags)
   res = e.generate(_prompts((40, 45)), 6, stop_tokens=())
   assert [len(t) for t in res.tokens] == [6, 6]
   assert e.cache_config.streaming_heads(0).tolist() == [1]
   with pytest.raises(ConfigError, match="max_seq_len=4096"):
-    EngineConfig(num_pages=8, max_seq_len=4096)
+    ServingConfig(num_pages=8, max_seq_len=4096)
   with pytest.raises(ConfigError, match="streaming flags"):
-    Engine(model, EngineConfig(lserve=LServeConfig(token_budget=24, **SMALL), num_pages=24,
+    ServingEngine(model, ServingConfig(lserve=LServeConfig(token_budget=24, **SMALL), num_pages=24,
                                max_seq_len=80), streaming=[[True]])
 
 
@@ -137,7 +137,7 @@ def test_request_length_bounded_by_max_seq_len_and_model_context(model):
   """prompt + max_new_tokens beyond max_seq_len or the model's max_position_embeddings is
   rejected with a message naming both limits; nothing is allocated for it."""
   short = M.replace_config(model, max_position_embeddings=48)
-  e = Engine(short, EngineConfig(lserve=LServeConfig(dense=True, token_budget=64, **SMALL),
+  e = ServingEngine(short, ServingConfig(lserve=LServeConfig(dense=True, token_budget=64, **SMALL),
                                  max_batch=2, num_pages=24, max_seq_len=80))
   res = e.generate(_prompts((40, 40)), [10, 10**9], stop_tokens=())  # both rejected: no compile
   assert res.tokens == [[], []] and e.cache.alloc.num_free == 24

@@ -17,7 +17,7 @@ from jaxsys.models.decoder import random_model
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter, drafter_loss
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
-from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 
 CFG = DecoderConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2)
@@ -29,7 +29,7 @@ def test_fitted_drafter_accepts_near_depth(fused):
   model = random_model(CFG, 0)
   model.lm_head[...] = model.lm_head[...] * 40.0  # clear argmaxes
   drafter = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
-  engine = RolloutEngine(model, drafter, EngineConfig(
+  engine = RolloutEngine(model, drafter, RolloutConfig(
       strategies=(CHAIN,), max_new=24, max_prompt=8, batch_buckets=(1, 2), fused=fused))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, CFG.vocab_size, size=6).tolist() for _ in range(2)]

@@ -17,7 +17,7 @@ from jaxsys.models.drafter import DrafterConfig, EagleDrafter
 from jaxsys.serving.generate import generate
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
-from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 from jaxsys.speculative.sampling import SamplingParams
 
 CFG = DecoderConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -32,7 +32,7 @@ def setup():
   # Sharpen the random model so greedy decoding has clear argmaxes (no near-ties).
   model.lm_head[...] = model.lm_head[...] * 40.0
   drafter = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
-  engine = RolloutEngine(model, drafter, EngineConfig(
+  engine = RolloutEngine(model, drafter, RolloutConfig(
       strategies=(CHAIN, TREE), max_new=12, max_prompt=8, batch_buckets=(1, 8), stop_tokens=(STOP,)))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, CFG.vocab_size, size=int(rng.integers(2, 8))).tolist() for _ in range(8)]
@@ -77,7 +77,7 @@ def test_bad_inputs(setup):
   with pytest.raises(ShapeError, match="hidden_size"):
     RolloutEngine(model, wrong_hidden, engine.config)
   with pytest.raises(ConfigError, match="top_k"):
-    RolloutEngine(model, drafter, EngineConfig(sampling=SamplingParams(top_k=100)))
+    RolloutEngine(model, drafter, RolloutConfig(sampling=SamplingParams(top_k=100)))
   with pytest.raises(InputError, match="max_prompt"):
     engine.generate([list(range(9))])
   with pytest.raises(InputError, match="vocab_size"):

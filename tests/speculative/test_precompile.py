@@ -17,7 +17,7 @@ from jaxsys.models import DecoderConfig
 from jaxsys.models.decoder import random_model
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter
 from jaxsys.speculative.bandit import Strategy
-from jaxsys.speculative.engine import EngineConfig, RolloutEngine
+from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 from jaxsys.speculative.sampling import SamplingParams
 
 CFG = DecoderConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
@@ -43,7 +43,7 @@ def test_precompiled_rollouts_compile_nothing():
   fused = True  # the engine the experiment times; the per-step engine shares the pool code
   model = random_model(CFG, 0)
   drafter = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
-  engine = RolloutEngine(model, drafter, EngineConfig(
+  engine = RolloutEngine(model, drafter, RolloutConfig(
       strategies=(Strategy.chain(2), Strategy(2, 2, 3)), max_new=10, max_prompt=6,
       batch_buckets=(1, 4, 8), spec_threshold=5, stop_tokens=(3, 4, 5),
       sampling=SamplingParams(1.0), fused=fused))
