@@ -22,7 +22,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "node_mask": "padding", "edge_mask": "padding", "pad_dataset": "padding",
     "metis_partition": "partition", "Reordering": "partition", "cluster_permutation": "partition",
     "reorder_dataset": "partition", "cluster_reorder": "partition",
-    "BlockLayout": "blocks", "block_layout": "blocks", "ReformConfig": "blocks",
+    "GraphTileLayout": "blocks", "block_layout": "blocks", "ReformConfig": "blocks",
     "ReformedGraph": "blocks", "reform": "blocks",
     "tune_threshold": "tuner", "TunerResult": "tuner", "TunerRecord": "tuner",
 })

@@ -29,7 +29,7 @@ MODES = ("exact", "approximate")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class BlockLayout:
+class GraphTileLayout:
   """Visited blocks of the adjacency, sorted by (row block, column block)."""
   num_nodes: int
   block_size: int
@@ -59,7 +59,7 @@ def _block_sizes(num_nodes, block_size, idx):
   return np.minimum(block_size, num_nodes - idx * block_size)
 
 
-def block_layout(senders, receivers, num_nodes: int, block_size: int) -> BlockLayout:
+def block_layout(senders, receivers, num_nodes: int, block_size: int) -> GraphTileLayout:
   """Visited blocks with per-block edge counts and densities."""
   if block_size < 1:
     raise ConfigError(f"{block_size=} must be >= 1")
@@ -69,7 +69,7 @@ def block_layout(senders, receivers, num_nodes: int, block_size: int) -> BlockLa
   uniq, counts = np.unique(key, return_counts=True)
   rows, cols = (uniq // nb).astype(np.int32), (uniq % nb).astype(np.int32)
   area = _block_sizes(num_nodes, block_size, rows) * _block_sizes(num_nodes, block_size, cols)
-  return BlockLayout(num_nodes, block_size, rows, cols, counts.astype(np.int64), counts / area)
+  return GraphTileLayout(num_nodes, block_size, rows, cols, counts.astype(np.int64), counts / area)
 
 
 @dataclasses.dataclass(frozen=True)

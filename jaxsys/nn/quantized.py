@@ -3,9 +3,9 @@
 * ``FeatureQuantizer``: per-node learnable (step, bits) (``[N, 1]``), or the Nearest Neighbor
   Strategy with m learned pairs (``nns_pairs > 0``) so the layer quantizes unseen graphs.
 * ``WeightQuantizer``: per-output-channel (step, bits) ``[1, out]``.
-* ``QuantLinear``, ``GCNConv``, ``GINConv``, ``GATConv``: quantize the layer input features and
-  the weights, then combine (``X_q W_q``) and aggregate over the graph. An optional ``dropout``
-  callable is applied after the feature quantizer.
+* ``QuantLinear``, ``QuantGCNConv``, ``QuantGINConv``, ``QuantGATConv``: quantize the layer input
+  features and the weights, then combine (``X_q W_q``) and aggregate over the graph. An optional
+  ``dropout`` callable is applied after the feature quantizer.
 
 Quantizer parameters are ``StepParam`` / ``BitsParam`` (subclasses of ``nnx.Param``) so an
 optimizer can give them their own learning rates. Each layer call returns ``(out, bits_info)``
@@ -15,7 +15,7 @@ memory penalty (``jaxsys.quant.a2q.memory_penalty``).
 Usage::
 
   cfg = A2QConfig(init_feature_bits=4, target_bits=2.0)
-  conv = GCNConv(1433, 16, num_nodes=2708, quant=cfg, rngs=nnx.Rngs(0))
+  conv = QuantGCNConv(1433, 16, num_nodes=2708, quant=cfg, rngs=nnx.Rngs(0))
   edges = normalized_edges(senders, receivers, 2708, "gcn")
   h, bits_info = conv(x, edges)
 """
@@ -164,7 +164,7 @@ def _scatter(msg, receivers, num_nodes):
   return jax.ops.segment_sum(msg, receivers, num_nodes)  # [nodes, ...]
 
 
-class GCNConv(nnx.Module):
+class QuantGCNConv(nnx.Module):
   """``D^-1/2 (A+I) D^-1/2 Q(X) Q(W) + b``; edges from ``normalized_edges(..., "gcn")``."""
 
   def __init__(self, din: int, dout: int, *, num_nodes: int, quant: A2QConfig | None,
@@ -181,7 +181,7 @@ class GCNConv(nnx.Module):
     return out, info
 
 
-class GINConv(nnx.Module):
+class QuantGINConv(nnx.Module):
   """``MLP((1 + eps) Q(x_i) + sum_j Q(x_j))`` with quantized MLP inputs; edges unweighted."""
 
   def __init__(self, din: int, dout: int, *, num_nodes: int, quant: A2QConfig | None,
@@ -202,7 +202,7 @@ class GINConv(nnx.Module):
     return self.lin2(h), info + info2
 
 
-class GATConv(nnx.Module):
+class QuantGATConv(nnx.Module):
   """Multi-head graph attention on quantized features/weights; edges must include self loops."""
 
   def __init__(self, din: int, dout: int, *, heads: int, num_nodes: int,
@@ -233,3 +233,8 @@ class GATConv(nnx.Module):
     out = _scatter(h[s] * p[..., None], r, n)                        # [nodes, heads, out]
     out = out.reshape(n, -1) if self.concat else out.mean(axis=1)
     return out + self.bias[...], info
+
+
+# Former names, kept while callers move to the ``Quant*`` names (``jaxsys.nn.graph`` has its own
+# float ``GCNConv``; two public classes must not share a name).
+GCNConv, GINConv, GATConv = QuantGCNConv, QuantGINConv, QuantGATConv

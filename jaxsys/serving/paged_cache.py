@@ -154,7 +154,7 @@ class PageAllocator:
 
 
 @dataclasses.dataclass
-class Sequence:
+class PagedSequence:
   """Host-side bookkeeping of one request: its length and page lists."""
   length: int = 0
   pages: list[int] = dataclasses.field(default_factory=list)
@@ -188,13 +188,13 @@ class PagedKVCache:
       raise PoolExhaustedError(f"a request of {num_tokens} tokens needs {need} pages; "
                                f"{self.alloc.num_free} are free")
 
-  def admit(self, rid, num_tokens: int) -> Sequence:
+  def admit(self, rid, num_tokens: int) -> PagedSequence:
     """Reserves pages for ``num_tokens`` tokens of a new request (all or nothing)."""
     if rid in self.seqs:
       raise InputError(f"request {rid!r} is already live")
     self.check_admissible(num_tokens)
-    seq = Sequence(length=0, pages=self.alloc.allocate(self.pages_for(num_tokens)),
-                   stream_pages=self.stream_alloc.allocate(self.config.stream_pages_per_request))
+    seq = PagedSequence(length=0, pages=self.alloc.allocate(self.pages_for(num_tokens)),
+                        stream_pages=self.stream_alloc.allocate(self.config.stream_pages_per_request))
     self.seqs[rid] = seq
     return seq
 

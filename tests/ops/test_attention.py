@@ -32,7 +32,7 @@ def _fn(impl, kw, block=(16, 16)):
     args = common.validate(q, k, v, **kw)
     if impl == "reference":
       return reference.attention_reference(args)
-    return xla.blockwise_attention(args, xla.BlockSizes(*block))
+    return xla.blockwise_attention(args, xla.XlaBlockSizes(*block))
   return f
 
 
@@ -151,7 +151,7 @@ def test_memory_is_linear_in_length():
   def temp(fn, t):
     q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
     return compiled_memory(jax.jit(fn), q, q, q)["temp_bytes"]
-  ours = lambda q, k, v: xla.blockwise_attention(common.validate(q, k, v), xla.BlockSizes(128, 128))[0]
+  ours = lambda q, k, v: xla.blockwise_attention(common.validate(q, k, v), xla.XlaBlockSizes(128, 128))[0]
   naive = lambda q, k, v: reference.attention_reference(common.validate(q, k, v))[0]
   r_ours = temp(ours, 2048) / temp(ours, 1024)
   r_naive = temp(naive, 2048) / temp(naive, 1024)
@@ -183,7 +183,7 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="impl"):
     attention(q, k, v, impl="cuda")
   with pytest.raises(Exception, match="block_q"):
-    xla.BlockSizes(block_q=0)
+    xla.XlaBlockSizes(block_q=0)
 
 
 def test_multihead_mask_is_split_per_kv_head_group():

@@ -45,7 +45,7 @@ _F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class XlaBlockSizes:
   """Query / key tile sizes; clipped to the (8-rounded) lengths for short inputs.
 
   256 x 256 was fastest on a 2-core CPU (4K tokens, 4 heads, d=64; tried 128..1024): a
@@ -98,9 +98,9 @@ class _Plan:
     return self.h // self.hk
 
 
-def blockwise_attention(args: AttentionArgs, block_sizes: BlockSizes | None = None):
+def blockwise_attention(args: AttentionArgs, block_sizes: XlaBlockSizes | None = None):
   """``(out [b, q, h, dv] in q.dtype, lse [b, h, q] f32)`` visiting only non-empty blocks."""
-  block_sizes = block_sizes or BlockSizes()
+  block_sizes = block_sizes or XlaBlockSizes()
   q, k, v = args.q, args.k, args.v
   b, tq, h, d = q.shape
   tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
