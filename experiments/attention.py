@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.bench import compiled_memory, matmul_peak_gflops, time_fn
+from jaxsys.core.bench import compiled_memory, matmul_peak_gflops, time_fn, time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.ops import attention, masks
 
@@ -64,15 +64,6 @@ def _peers():
   return peers, notes
 
 
-def _paired(f_a, f_b, args, iters):
-  """Min times of two functions timed alternately (shared-machine drift hits both alike)."""
-  ta, tb = [time_fn(f_a, *args, iters=1).min], [time_fn(f_b, *args, iters=1).min]
-  for _ in range(iters - 1):
-    ta.append(time_fn(f_a, *args, warmup=0, iters=1).min)
-    tb.append(time_fn(f_b, *args, warmup=0, iters=1).min)
-  return min(ta), min(tb)
-
-
 def _sparse_layout(nq, nk, density, seed):
   """Shared layout with exactly round(density * nk) random kv blocks per query block."""
   rng = np.random.RandomState(seed)
@@ -102,8 +93,10 @@ def run(quick: bool, out_dir: str) -> list[Row]:
     naive = _fwd("reference")
     mem_ours = compiled_memory(ours, q, k, v)["peak_bytes"] / MiB
     mem_naive = compiled_memory(naive, q, k, v)["peak_bytes"] / MiB
-    t_ours = time_fn(ours, q, k, v, iters=iters).min * 1e3
-    t_naive = time_fn(naive, q, k, v, iters=iters).min * 1e3 if t <= naive_time_max else None
+    timed = time_interleaved({"ours": ours, **({"naive": naive} if t <= naive_time_max else {})},
+                             q, k, v, rounds=iters)
+    t_ours = timed["ours"].ms
+    t_naive = timed["naive"].ms if "naive" in timed else None
     series["t"].append(t)
     series["ours_ms"].append(t_ours)
     series["naive_ms"].append(t_naive)
@@ -147,8 +140,9 @@ def run(quick: bool, out_dir: str) -> list[Row]:
         ours_t = t_ours[bwd]
       f = _fwd_bwd(fn) if bwd else jax.jit(fn)
       mine = _fwd_bwd(ours_f) if bwd else jax.jit(ours_f)
-      t_peer, ours_paired = _paired(f, mine, (qq, kk, vv), iters)
-      ours_t = min(ours_t, ours_paired)
+      # timed alternately: shared-machine drift hits both alike
+      paired = time_interleaved({"peer": f, "ours": mine}, qq, kk, vv, rounds=iters)
+      t_peer, ours_t = paired["peer"].min, min(ours_t, paired["ours"].min)
       gf = _flops(t_len, bwd) / t_peer / 1e9
       rows.append(Row(f"{kind} time @{t_len // 1024}K vs {name}", "ms", ours=ours_t * 1e3,
                       baseline=t_peer * 1e3, baseline_name=name, goal=goals[name],
@@ -163,15 +157,15 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   blk = 512
   n = sparse_len // blk
   dense_f = _fwd("xla")
-  time_fn(dense_f, q, k, v, iters=1)  # compile and warm up once
   sparse_pts = []
   for density in (0.5, 0.25, 0.1):
     lay = _sparse_layout(n, n, density, seed=int(density * 100))
     real = float(lay.mean())
     mask = masks.BlockSparse(lay, blk, blk)
     sparse_f = _fwd("xla", mask)
-    t_sp = time_fn(sparse_f, q, k, v, iters=iters).min
-    t_dense = time_fn(dense_f, q, k, v, warmup=0, iters=iters).min  # paired: drift cancels
+    # timed alternately: drift cancels in the ratio
+    timed = time_interleaved({"sparse": sparse_f, "dense": dense_f}, q, k, v, rounds=iters)
+    t_sp, t_dense = timed["sparse"].min, timed["dense"].min
     ratio = t_dense / t_sp
     sparse_pts.append((real, ratio))
     rows.append(Row(f"block-sparse {int(density * 100)}% @{sparse_len // 1024}K vs our dense", "ms",

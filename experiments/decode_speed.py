@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from jaxsys.core.bench import time_fn
+from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "decode_speed"
@@ -60,11 +60,13 @@ def run(quick: bool, out_dir: str) -> list[Row]:
     iters = 1 if quick else 3
     ours()  # compile
     runs = []
-    t_ours = time_fn(lambda: runs.append(ours()), warmup=0, iters=iters)
+    ref = theirs()[:, prompt_len:].numpy()  # warm-up, and the tokens to compare
+    # timed alternately, both already warm (one call each per round)
+    timed = time_interleaved({"ours": lambda: runs.append(ours()), "theirs": theirs}, rounds=iters,
+                           warmup=0)
+    t_ours, t_theirs = timed["ours"], timed["theirs"]
     res = min(runs, key=lambda r: r.decode_seconds)
     decode_ours, prefill_ours = res.decode_seconds, min(r.prefill_seconds for r in runs)
-    ref = theirs()[:, prompt_len:].numpy()  # warm-up, and the tokens to compare
-    t_theirs = time_fn(theirs, warmup=0, iters=iters)
     # transformers: prefill = one forward over the prompt with a fresh cache
     with torch.no_grad():
       t0 = time.perf_counter()

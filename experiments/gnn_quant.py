@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxsys.core.bench import time_fn  # noqa: E402
+from jaxsys.core.bench import time_fn, time_interleaved  # noqa: E402
 from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
 
 NAME = "gnn_quant"
@@ -153,8 +153,8 @@ def _packing_section(ds, best):
   xf = data.x
   senders, receivers = jnp.asarray(ds.senders), jnp.asarray(ds.receivers)
   fa = jax.jit(lambda x: aggregate(x, senders, receivers, ds.num_nodes, "gcn"))
-  t_q = time_fn(qa, pk, iters=5)
-  t_f = time_fn(fa, xf, iters=5)
+  timed = time_interleaved({"quantized": (qa, (pk,)), "float": (fa, (xf,))}, rounds=5)
+  t_q, t_f = timed["quantized"], timed["float"]
   from jaxsys.quant.packing import dequantize
   err = float(jnp.max(jnp.abs(qa(pk) - fa(dequantize(pk)))))
   e_bytes_q = sum(int(g.src_rows.size) * int(w.shape[1]) * 4

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.bench import time_fn
+from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.serving import lserve
 from jaxsys.serving.page_select import SelectionConfig
@@ -74,19 +74,6 @@ def decode_bytes(ctx: int, streaming_fraction: float = 0.5) -> tuple[float, floa
   return dense, ours
 
 
-def _interleaved(a, b, rounds):
-  """Best-of-``rounds`` ms of two calls timed alternately (both see the same machine load)."""
-  fa, xa = a
-  fb, xb = b
-  time_fn(fa, *xa, iters=1)
-  time_fn(fb, *xb, iters=1)
-  ta = tb = float("inf")
-  for _ in range(rounds):
-    ta = min(ta, time_fn(fa, *xa, warmup=0, iters=1).ms)
-    tb = min(tb, time_fn(fb, *xb, warmup=0, iters=1).ms)
-  return ta, tb
-
-
 def bench_decode(contexts, iters) -> tuple[list[Row], dict]:
   rows, curve = [], {"ctx": [], "dense_ms": [], "lserve_ms": [], "ideal": []}
   sel = SelectionConfig(BUDGET, PAGE, LOGICAL, REUSE)
@@ -111,7 +98,9 @@ def bench_decode(contexts, iters) -> tuple[list[Row], dict]:
         out, _ = lserve.decode_attention(c, sel, st, 0, q, bt, stt, lengths, numbers, reselect=False)
       return out
 
-    t_dense, t_ours = _interleaved((dense, (q, kd, vd)), (cycle, (q, st)), iters)
+    # timed alternately: both see the same machine load
+    timed = time_interleaved({"dense": (dense, (q, kd, vd)), "ours": (cycle, (q, st))}, rounds=iters)
+    t_dense, t_ours = timed["dense"].ms, timed["ours"].ms
     t_ours /= REUSE
     del st, kd, vd
     db, ob = decode_bytes(ctx)
@@ -168,8 +157,8 @@ def prefill_rows(quick: bool) -> list[Row]:
     # the engine's prefill path: one attention call with the per-head mask (split per head group)
     ours = jax.jit(lambda q, k, v: hybrid_attention(cc, 0, q, k, v, q_offset=0, kv_lengths=None,
                                                     impl="xla"))
-    t_dense = time_fn(dense, q, k, v, iters=2, warmup=1).ms
-    t_ours = time_fn(ours, q, k, v, iters=2, warmup=1).ms
+    timed = time_interleaved({"dense": dense, "ours": ours}, q, k, v, rounds=2)
+    t_dense, t_ours = timed["dense"].ms, timed["ours"].ms
     lay = lambda m: layout_lib.compile_layout(m, heads=heads, q_len=t, kv_len=t, block_q=512,
                                               block_k=512, q_offset=0).density
     ideal = lay(masks.Causal()) / np.mean([lay(m) for m in hybrid.masks])

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxsys.core.bench import time_fn  # noqa: E402
+from jaxsys.core.bench import time_interleaved  # noqa: E402
 from jaxsys.core.mesh import make_mesh  # noqa: E402
 from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
 from jaxsys.ops import masks  # noqa: E402
@@ -112,19 +112,14 @@ def measure_strategy(label, b, lengths, h, hk, d, time_len, iters):
       key = jax.random.PRNGKey(0)
       q = jax.device_put(jax.random.normal(key, (b, s, h, d)), sh)
       k = jax.device_put(jax.random.normal(key, (b, s, hk, d)), sh)
-      jax.block_until_ready(fn(q, k, k))  # warm-up; timed round-robin in time_round_robin
-      res["_timed"] = (fn, (q, k, k))
+      res["_timed"] = (fn, (q, k, k))  # timed round-robin across strategies in run()
   return res
 
 
-def time_round_robin(programs: dict, rounds: int) -> dict:
-  """Min time per program, calling the programs in turn each round, so that load changes on a
-  shared machine hit every strategy alike (one program at a time, never concurrently)."""
-  best = {k: float("inf") for k in programs}
-  for _ in range(rounds):
-    for label, (fn, args) in programs.items():
-      best[label] = min(best[label], time_fn(fn, *args, warmup=0, iters=1).ms)
-  return best
+def best_ms(programs: dict, rounds: int) -> dict:
+  """Min ms per ``label: (fn, args)`` program, timed round-robin (``time_interleaved``) so that
+  load changes on a shared machine hit every strategy alike (one program at a time)."""
+  return {k: t.ms for k, t in time_interleaved(programs, rounds=rounds).items()}
 
 
 def measure_decoder_step(labels, s, iters):
@@ -163,9 +158,8 @@ def measure_decoder_step(labels, s, iters):
       with jax.set_mesh(mesh):
         return step(params, batch)
 
-    jax.block_until_ready(call(params, batch))  # compile + warm-up
-    out[label] = (call, (params, batch))
-  return time_round_robin(out, rounds=2 * iters + 1)
+    out[label] = (call, (params, batch))  # compiled in best_ms's warm-up
+  return best_ms(out, rounds=2 * iters + 1)
 
 
 def longest_fit(peak: dict, budget: float) -> int:
@@ -257,7 +251,7 @@ def run(quick: bool, out_dir: str):
 
   impl, impl_error = _pick_impl()
   res = {label: measure_strategy(label, b, lengths, h, hk, d, time_s, iters) for label in SETUPS}
-  step_ms = time_round_robin({k: v.pop("_timed") for k, v in res.items()}, rounds=2 * iters + 1)
+  step_ms = best_ms({k: v.pop("_timed") for k, v in res.items()}, rounds=2 * iters + 1)
   for label, ms in step_ms.items():
     res[label]["step_ms"] = ms
   dec_times = measure_decoder_step(dec_labels, dec_s, iters)

@@ -115,3 +115,35 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 def count_trace(name: str) -> None:
   """Call at the top of a jitted function's Python body: counts one trace of ``name``."""
   TRACE_COUNTS[name] += 1
+
+
+def time_interleaved(fns, *args, rounds: int = 5, warmup: int = 1) -> dict[str, Timing]:
+  """Times several functions side by side: ``rounds`` rounds, each calling every function once
+  in turn (round-robin), so load changes on a shared machine hit all of them alike.
+
+  ``fns`` maps a label to a callable (called with ``*args``) or to a ``(fn, args)`` pair (its own
+  arguments). Each function first runs ``warmup`` untimed calls (compilation), all before the
+  first timed round; every call waits for its device results (``block_until_ready``). Returns
+  ``{label: Timing}`` with ``rounds`` times each, in the order of ``fns``; A/B comparisons take
+  ``.min`` (or ``.ms``) of each.
+  """
+  if rounds < 1 or warmup < 0:
+    from jaxsys.core.errors import ConfigError
+    raise ConfigError(f"rounds={rounds} must be >= 1 and warmup={warmup} >= 0")
+  calls = {}
+  for label, f in fns.items():
+    fn, fargs = f if isinstance(f, tuple) else (f, args)
+    if not callable(fn):
+      from jaxsys.core.errors import InputError
+      raise InputError(f"fns[{label!r}] must be a callable or a (callable, args) pair, got {f!r}")
+    calls[label] = (fn, tuple(fargs))
+  for fn, fargs in calls.values():
+    for _ in range(warmup):
+      block(fn(*fargs))
+  times = {label: [] for label in calls}
+  for _ in range(rounds):
+    for label, (fn, fargs) in calls.items():
+      t0 = time.perf_counter()
+      block(fn(*fargs))
+      times[label].append(time.perf_counter() - t0)
+  return {label: Timing(tuple(t)) for label, t in times.items()}

@@ -1,0 +1,43 @@
+"""core.bench.time_interleaved: warm-up first, round-robin order, one Timing per label."""
+
+import jax.numpy as jnp
+import pytest
+
+from jaxsys.core.bench import Timing, time_interleaved
+from jaxsys.core.errors import ConfigError, InputError
+
+
+def test_round_robin_order_after_warmup():
+  calls = []
+
+  def make(name):
+    def f(x):
+      calls.append(name)
+      return jnp.asarray(x) + 1
+    return f
+
+  out = time_interleaved({"a": make("a"), "b": (make("b"), (2.0,))}, 1.0, rounds=3, warmup=2)
+  # every warm-up call comes before the first timed round, then a, b alternate
+  assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
+  assert list(out) == ["a", "b"]
+  assert all(isinstance(t, Timing) and len(t.times) == 3 for t in out.values())
+  assert out["a"].min >= 0 and out["a"].ms == pytest.approx(1e3 * out["a"].min)
+
+
+def test_per_function_arguments_are_used():
+  seen = {}
+
+  def rec(name):
+    def f(*args):
+      seen[name] = args
+    return f
+
+  time_interleaved({"shared": rec("shared"), "own": (rec("own"), (1, 2))}, 7, rounds=1, warmup=0)
+  assert seen == {"shared": (7,), "own": (1, 2)}
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(ConfigError, match="rounds"):
+    time_interleaved({"a": lambda: None}, rounds=0)
+  with pytest.raises(InputError, match="fns\\['a'\\]"):
+    time_interleaved({"a": 3}, rounds=1)
