@@ -147,3 +147,32 @@ def time_interleaved(fns, *args, rounds: int = 5, warmup: int = 1) -> dict[str, 
       block(fn(*fargs))
       times[label].append(time.perf_counter() - t0)
   return {label: Timing(tuple(t)) for label, t in times.items()}
+
+
+#: ``TRACE_COUNTS`` key counting XLA backend compilations (jitted calls, eager ops, ``.compile()``).
+BACKEND_COMPILES = "xla.backend_compile"
+# JAX's monitoring event for one backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT;
+# there is no public constant).
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_watching = False
+
+
+def _on_duration_event(event: str, duration: float, **kwargs) -> None:
+  if event == _BACKEND_COMPILE_EVENT:
+    TRACE_COUNTS[BACKEND_COMPILES] += 1
+
+
+def watch_compiles() -> None:
+  """Starts counting XLA backend compilations in ``TRACE_COUNTS[BACKEND_COMPILES]``; idempotent
+  (one process-wide listener on JAX's compile event)."""
+  global _watching
+  if not _watching:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
+    _watching = True
+
+
+def compile_count() -> int:
+  """XLA backend compilations counted so far; the difference of two reads is the number of
+  compilations between them (a cache hit compiles nothing). The first call starts counting."""
+  watch_compiles()
+  return TRACE_COUNTS[BACKEND_COMPILES]

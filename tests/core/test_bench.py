@@ -41,3 +41,23 @@ def test_bad_arguments_raise():
     time_interleaved({"a": lambda: None}, rounds=0)
   with pytest.raises(InputError, match="fns\\['a'\\]"):
     time_interleaved({"a": 3}, rounds=1)
+
+
+def test_compile_count_sees_new_shapes_only():
+  import jax
+
+  from jaxsys.core.bench import BACKEND_COMPILES, TRACE_COUNTS, compile_count, count_trace
+
+  @jax.jit
+  def f(x):
+    count_trace("test_bench.f")
+    return x * 2
+
+  n0, t0 = compile_count(), TRACE_COUNTS["test_bench.f"]
+  f(jnp.ones(3))
+  n1 = compile_count()
+  f(jnp.ones(3))  # cache hit: no trace, no compile
+  assert compile_count() == n1 > n0 and TRACE_COUNTS["test_bench.f"] == t0 + 1
+  f(jnp.ones(5))  # a new shape retraces and recompiles
+  assert compile_count() > n1 and TRACE_COUNTS["test_bench.f"] == t0 + 2
+  assert TRACE_COUNTS[BACKEND_COMPILES] == compile_count()
