@@ -25,7 +25,7 @@ from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.serving import lserve
 from jaxsys.serving.page_select import SelectionConfig
-from jaxsys.serving.paged_cache import PagedCacheConfig
+from jaxsys.serving.paged_cache import PagedCacheConfig, PagedState
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGE, LOGICAL, BUDGET, REUSE, SINK, WINDOW = 64, 16, 4096, 4, 64, 256
@@ -47,9 +47,9 @@ def _random_state(c: PagedCacheConfig, ctx: int, rng):
   v = jax.random.normal(jax.random.fold_in(rng, 1), shape, jnp.float32)
   blk = k.reshape(c.num_pages, r, PAGE // LOGICAL, LOGICAL, HEAD_DIM)
   sshape = (c.num_stream_pages, s, PAGE, HEAD_DIM)
-  return {"k": [k], "v": [v], "kmin": [blk.min(3)], "kmax": [blk.max(3)],
-          "sk": [jax.random.normal(jax.random.fold_in(rng, 2), sshape)],
-          "sv": [jax.random.normal(jax.random.fold_in(rng, 3), sshape)]}
+  return PagedState(k=(k,), v=(v,), kmin=(blk.min(3),), kmax=(blk.max(3),),
+                    sk=(jax.random.normal(jax.random.fold_in(rng, 2), sshape),),
+                    sv=(jax.random.normal(jax.random.fold_in(rng, 3), sshape),))
 
 
 def _dense_decode(q, k, v):

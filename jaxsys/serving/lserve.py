@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops.paged_attention import paged_decode_attention
 from jaxsys.serving import page_select as ps
-from jaxsys.serving.paged_cache import PagedCacheConfig, stream_page_numbers
+from jaxsys.serving.paged_cache import PagedCacheConfig, PagedState, stream_page_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +65,9 @@ class LServeConfig:
                               self.reuse_steps)
 
 
-def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st, layer, q,
-                        block_table, lengths, numbers=None, *, reselect=True, impl="auto"):
+def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st: PagedState,
+                        layer, q, block_table, lengths, numbers=None, *, reselect=True,
+                        impl="auto"):
   """Retrieval-head attention ``q [b, r*g, d] -> ([b, r*g, d], numbers [b, r, K] or None)``."""
   r = len(c.retrieval_heads(layer))
   if sel is None or block_table.shape[1] <= sel.num_select:
@@ -74,26 +75,27 @@ def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st,
     idx, num = ps.all_pages(block_table, lengths, r, page_size=c.page_size)
   else:
     if reselect or numbers is None:
-      scores = ps.page_scores(q, st["kmin"][layer], st["kmax"][layer], block_table, lengths,
+      scores = ps.page_scores(q, st.kmin[layer], st.kmax[layer], block_table, lengths,
                               page_size=c.page_size, logical_page_size=c.logical_page_size,
                               impl=impl)
       numbers = ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size)
     num = ps.with_newest_page(numbers, lengths, page_size=c.page_size)
     idx = ps.physical_pages(block_table, num)
-  ks, vs = (st["k_scale"][layer], st["v_scale"][layer]) if "k_scale" in st else (None, None)
-  out = paged_decode_attention(q, st["k"][layer], st["v"][layer], idx, num, lengths,
-                               k_scales=ks, v_scales=vs, impl=_op_impl(impl, ks))
+  (k, ks), (v, vs) = st.pool("k", layer), st.pool("v", layer)
+  out = paged_decode_attention(q, k, v, idx, num, lengths, k_scales=ks, v_scales=vs,
+                               impl=_op_impl(impl, ks))
   return out, numbers
 
 
-def streaming_attention(c: PagedCacheConfig, st, layer, q, stream_table, lengths, impl="auto"):
+def streaming_attention(c: PagedCacheConfig, st: PagedState, layer, q, stream_table, lengths,
+                        impl="auto"):
   """Streaming-head attention over sink + ring pages: ``q [b, s*g, d] -> [b, s*g, d]``."""
   s = len(c.streaming_heads(layer))
   b = q.shape[0]
   num = jnp.broadcast_to(stream_page_numbers(c, lengths)[:, None], (b, s, stream_table.shape[1]))
   idx = jnp.broadcast_to(stream_table[:, None], num.shape)
-  ks, vs = (st["sk_scale"][layer], st["sv_scale"][layer]) if "sk_scale" in st else (None, None)
-  return paged_decode_attention(q, st["sk"][layer], st["sv"][layer], idx, num, lengths,
+  (k, ks), (v, vs) = st.pool("sk", layer), st.pool("sv", layer)
+  return paged_decode_attention(q, k, v, idx, num, lengths,
                                 sink=c.sink, window=c.window, k_scales=ks, v_scales=vs,
                                 impl=_op_impl(impl, ks))
 
@@ -102,9 +104,9 @@ def _op_impl(impl, scales):
   return "xla" if (impl == "auto" and scales is not None) else impl
 
 
-def decode_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st, layer, q,
-                     block_table, stream_table, lengths, numbers=None, *, reselect=True,
-                     impl="auto"):
+def decode_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st: PagedState,
+                     layer, q, block_table, stream_table, lengths, numbers=None, *,
+                     reselect=True, impl="auto"):
   """One layer's decode attention ``q [b, heads, d] -> (out [b, heads, d], numbers)``.
 
   ``lengths`` count the current token (already written to the cache). ``numbers`` is the

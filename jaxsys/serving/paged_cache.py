@@ -10,11 +10,12 @@ LServe (Yang et al. 2025) keeps two kinds of KV heads:
 * streaming heads keep only ``sink`` tokens and a ``window`` of recent tokens: sink pages plus a
   ring of local pages, so their memory per request is constant in the context length.
 
-Layout (per layer ``l`` with ``r_l`` retrieval and ``s_l`` streaming kv heads)::
+Layout (``PagedState``, per layer ``l`` with ``r_l`` retrieval and ``s_l`` streaming kv heads)::
 
   k[l], v[l]        [num_pages, r_l, page_size, head_dim]            (int8 + scales [.., page_size])
   kmin[l], kmax[l]  [num_pages, r_l, page_size // logical_page, head_dim]
   sk[l], sv[l]      [num_stream_pages, s_l, page_size, head_dim]
+  k_scale[l], ...   float32 per-token scales of the four pools; None unless kv_int8
 
 Row ``page * heads + head`` of a flattened pool is one contiguous ``[page_size, head_dim]``
 block, which is what the decode gather reads. Page ids are shared across layers (one block table
@@ -237,22 +238,88 @@ class PagedKVCache:
 
 
 # -- device state -----------------------------------------------------------------------------
-def init_state(c: PagedCacheConfig) -> dict:
-  """Zero pools: ``{"k", "v", "kmin", "kmax", "sk", "sv"[, "k_scale", ...]}`` each a per-layer list."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedState:
+  """Device pools of a ``PagedKVCache``: one tuple entry per layer ``l``.
+
+  With ``r_l`` retrieval and ``s_l`` streaming kv heads in layer ``l`` and ``dt = config.dtype``
+  (``int8`` for the value pools when ``kv_int8``):
+
+  * ``k[l], v[l]``: ``dt[num_pages, r_l, page_size, head_dim]`` retrieval keys / values.
+  * ``kmin[l], kmax[l]``: ``config.dtype[num_pages, r_l, logical_per_page, head_dim]`` per-channel
+    key bounds of each logical page (of the dequantised keys).
+  * ``sk[l], sv[l]``: ``dt[num_stream_pages, s_l, page_size, head_dim]`` streaming sink + ring.
+  * ``k_scale[l], v_scale[l]``: ``float32[num_pages, r_l, page_size]`` and ``sk_scale[l],
+    sv_scale[l]``: ``float32[num_stream_pages, s_l, page_size]``, the per-token int8 scales;
+    ``None`` unless ``kv_int8``.
+
+  A pytree (every field is data), so it passes through ``jit`` (and donation) as one argument.
+  """
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  kmin: tuple[jax.Array, ...]
+  kmax: tuple[jax.Array, ...]
+  sk: tuple[jax.Array, ...]
+  sv: tuple[jax.Array, ...]
+  k_scale: tuple[jax.Array, ...] | None = None
+  v_scale: tuple[jax.Array, ...] | None = None
+  sk_scale: tuple[jax.Array, ...] | None = None
+  sv_scale: tuple[jax.Array, ...] | None = None
+
+  def __post_init__(self):
+    scales = [getattr(self, n) is None for n in POOLS_SCALES]
+    if any(scales) and not all(scales):
+      raise ConfigError(f"int8 scales must be all given or all None; None: "
+                        f"{[n for n, none in zip(POOLS_SCALES, scales) if none]}")
+
+  @property
+  def quantized(self) -> bool:
+    """True when the value pools are int8 (the ``*_scale`` fields are set)."""
+    return self.k_scale is not None
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.k)
+
+  def pool(self, name: str, layer: int):
+    """``(values, scales or None)`` of pool ``name`` (``"k" | "v" | "sk" | "sv"``) in ``layer``."""
+    if name not in POOLS:
+      raise InputError(f"pool {name=} must be one of {POOLS}")
+    scales = getattr(self, name + "_scale")
+    return getattr(self, name)[layer], (None if scales is None else scales[layer])
+
+  def with_layer(self, layer: int, **arrays) -> PagedState:
+    """A copy with entry ``layer`` of each named field replaced (``k=..., k_scale=...``)."""
+    new = {}
+    for name, x in arrays.items():
+      old = getattr(self, name)
+      if old is None:
+        raise InputError(f"field {name!r} is None in this state (kv_int8 off)")
+      new[name] = old[:layer] + (x,) + old[layer + 1:]
+    return dataclasses.replace(self, **new)
+
+
+POOLS = ("k", "v", "sk", "sv")
+POOLS_SCALES = tuple(n + "_scale" for n in POOLS)
+
+
+def init_state(c: PagedCacheConfig) -> PagedState:
+  """Zero pools (see ``PagedState`` for the shapes); scale fields only when ``c.kv_int8``."""
   dt = jnp.int8 if c.kv_int8 else jnp.dtype(c.dtype)
-  st: dict = {key: [] for key in ("k", "v", "kmin", "kmax", "sk", "sv")}
-  if c.kv_int8:
-    st.update({key: [] for key in ("k_scale", "v_scale", "sk_scale", "sv_scale")})
+  names = ("kmin", "kmax") + POOLS + (POOLS_SCALES if c.kv_int8 else ())
+  fields: dict = {name: [] for name in names}
   for layer in range(c.num_layers):
     r, s = len(c.retrieval_heads(layer)), len(c.streaming_heads(layer))
-    for key, n, h in (("k", c.num_pages, r), ("v", c.num_pages, r),
-                      ("sk", c.num_stream_pages, s), ("sv", c.num_stream_pages, s)):
-      st[key].append(jnp.zeros((n, h, c.page_size, c.head_dim), dt))
+    for name, n, h in (("k", c.num_pages, r), ("v", c.num_pages, r),
+                       ("sk", c.num_stream_pages, s), ("sv", c.num_stream_pages, s)):
+      fields[name].append(jnp.zeros((n, h, c.page_size, c.head_dim), dt))
       if c.kv_int8:
-        st[key + "_scale"].append(jnp.zeros((n, h, c.page_size), jnp.float32))
-    for key in ("kmin", "kmax"):
-      st[key].append(jnp.zeros((c.num_pages, r, c.logical_per_page, c.head_dim), jnp.dtype(c.dtype)))
-  return st
+        fields[name + "_scale"].append(jnp.zeros((n, h, c.page_size), jnp.float32))
+    for name in ("kmin", "kmax"):
+      shape = (c.num_pages, r, c.logical_per_page, c.head_dim)
+      fields[name].append(jnp.zeros(shape, jnp.dtype(c.dtype)))
+  return PagedState(**{name: tuple(xs) for name, xs in fields.items()})
 
 
 def quantize_int8(x):
@@ -268,20 +335,21 @@ def _scatter(pool, x, page, slot):
   return pool.at[page, :, slot].set(x.astype(pool.dtype), mode="drop")
 
 
-def _write_pool(st, key, layer, x, page, slot, kv_int8):
-  if kv_int8:
-    xq, sc = quantize_int8(x)
-    st[key][layer] = _scatter(st[key][layer], xq, page, slot)
-    st[key + "_scale"][layer] = st[key + "_scale"][layer].at[page, :, slot].set(sc, mode="drop")
-  else:
-    st[key][layer] = _scatter(st[key][layer], x, page, slot)
+def _write_pool(st: PagedState, name, layer, x, page, slot) -> PagedState:
+  values, scales = st.pool(name, layer)
+  if scales is None:
+    return st.with_layer(layer, **{name: _scatter(values, x, page, slot)})
+  xq, sc = quantize_int8(x)
+  return st.with_layer(layer, **{name: _scatter(values, xq, page, slot),
+                                 name + "_scale": scales.at[page, :, slot].set(sc, mode="drop")})
 
 
-def read_pages(st, key, layer, pages):
+def read_pages(st: PagedState, key, layer, pages):
   """Dequantised pages ``[n, heads, page, d]`` of pool ``key`` (float32 for int8 pools)."""
-  x = st[key][layer][pages]
-  if key + "_scale" in st:
-    x = x.astype(jnp.float32) * st[key + "_scale"][layer][pages][..., None]
+  values, scales = st.pool(key, layer)
+  x = values[pages]
+  if scales is not None:
+    x = x.astype(jnp.float32) * scales[pages][..., None]
   return x
 
 
@@ -300,17 +368,16 @@ def stream_slot(c: PagedCacheConfig, pos, end):
   return jnp.where(keep, idx, -1)
 
 
-def write_tokens(c: PagedCacheConfig, st: dict, layer: int, k, v, block_table, stream_table,
-                 positions, valid):
+def write_tokens(c: PagedCacheConfig, st: PagedState, layer: int, k, v, block_table, stream_table,
+                 positions, valid) -> PagedState:
   """Writes tokens of one layer into both pools and refreshes the touched page statistics.
 
   Args:
     k, v: ``[b, t, kv_heads, d]`` new keys/values (all kv heads of the layer).
     block_table: ``int32[b, max_pages]``; stream_table: ``int32[b, stream_pages_per_request]``.
     positions: ``int32[b, t]`` positions of the tokens; valid: ``bool[b, t]`` (False = padding).
-  Returns the new state (pure function of ``st``; lists are copied).
+  Returns the new state (a pure function of ``st``).
   """
-  st = {key: list(val) for key, val in st.items()}
   b, t, hk, d = k.shape
   ps = c.page_size
   drop_r = c.num_pages  # out-of-range page id: the scatter drops the token
@@ -320,8 +387,8 @@ def write_tokens(c: PagedCacheConfig, st: dict, layer: int, k, v, block_table, s
   slot = positions % ps
   if len(rh):
     kr, vr = k[:, :, rh].reshape(b * t, len(rh), d), v[:, :, rh].reshape(b * t, len(rh), d)
-    _write_pool(st, "k", layer, kr, page.reshape(-1), slot.reshape(-1), c.kv_int8)
-    _write_pool(st, "v", layer, vr, page.reshape(-1), slot.reshape(-1), c.kv_int8)
+    st = _write_pool(st, "k", layer, kr, page.reshape(-1), slot.reshape(-1))
+    st = _write_pool(st, "v", layer, vr, page.reshape(-1), slot.reshape(-1))
     st = _refresh_stats(c, st, layer, block_table, positions, valid)
   if len(sh):
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1, keepdims=True)
@@ -329,8 +396,8 @@ def write_tokens(c: PagedCacheConfig, st: dict, layer: int, k, v, block_table, s
     spage = jnp.take_along_axis(stream_table, jnp.clip(sidx, 0), axis=1)
     spage = jnp.where(valid & (sidx >= 0), spage, c.num_stream_pages)
     ks, vs = k[:, :, sh].reshape(b * t, len(sh), d), v[:, :, sh].reshape(b * t, len(sh), d)
-    _write_pool(st, "sk", layer, ks, spage.reshape(-1), slot.reshape(-1), c.kv_int8)
-    _write_pool(st, "sv", layer, vs, spage.reshape(-1), slot.reshape(-1), c.kv_int8)
+    st = _write_pool(st, "sk", layer, ks, spage.reshape(-1), slot.reshape(-1))
+    st = _write_pool(st, "sv", layer, vs, spage.reshape(-1), slot.reshape(-1))
   return st
 
 
@@ -357,19 +424,19 @@ def _refresh_stats(c, st, layer, block_table, positions, valid):
   ok = (jnp.arange(lps)[None, :] <= (last % lps)[:, None])[:, None, :, None]  # slots written so far
   kmin = jnp.min(jnp.where(ok, keys, jnp.inf), axis=2)  # [n, r, d]
   kmax = jnp.max(jnp.where(ok, keys, -jnp.inf), axis=2)
-  dt = st["kmin"][layer].dtype
-  st["kmin"][layer] = st["kmin"][layer].at[pg, :, lpage].set(kmin.astype(dt), mode="drop")
-  st["kmax"][layer] = st["kmax"][layer].at[pg, :, lpage].set(kmax.astype(dt), mode="drop")
-  return st
+  old_min, old_max = st.kmin[layer], st.kmax[layer]
+  return st.with_layer(layer,
+                       kmin=old_min.at[pg, :, lpage].set(kmin.astype(old_min.dtype), mode="drop"),
+                       kmax=old_max.at[pg, :, lpage].set(kmax.astype(old_max.dtype), mode="drop"))
 
 
 def _read_logical(c, st, layer, pages, lpage):
   """Dequantised keys of logical page ``lpage[i]`` of page ``pages[i]``: ``[n, r, lps, d]``."""
   lps = c.logical_page_size
-  pool = st["k"][layer]
+  pool, scales = st.pool("k", layer)
   x = pool.reshape(pool.shape[0], pool.shape[1], c.logical_per_page, lps, -1)[pages, :, lpage]
-  if "k_scale" in st:
-    sc = st["k_scale"][layer].reshape(pool.shape[0], pool.shape[1], c.logical_per_page, lps)
+  if scales is not None:
+    sc = scales.reshape(pool.shape[0], pool.shape[1], c.logical_per_page, lps)
     x = x.astype(jnp.float32) * sc[pages, :, lpage][..., None]
   return x
 
@@ -388,7 +455,7 @@ def stream_page_numbers(c: PagedCacheConfig, lengths):
   return jnp.concatenate([sink, ring], axis=1).astype(jnp.int32)
 
 
-def gather_contiguous(c: PagedCacheConfig, st: dict, layer: int, block_table, length: int):
+def gather_contiguous(c: PagedCacheConfig, st: PagedState, layer: int, block_table, length: int):
   """Retrieval-head keys/values of one request as contiguous ``[length, r, d]`` (tests, prefill)."""
   n = -(-length // c.page_size)
   k = read_pages(st, "k", layer, block_table[:n])  # [n, r, page, d]

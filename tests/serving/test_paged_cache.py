@@ -65,8 +65,8 @@ def test_contents_and_statistics_match_contiguous(kv_int8):
     for lp in range(-(-t // lps)):
       blk = np.asarray(k[lp * lps:(lp + 1) * lps])
       page, sub = seq.pages[lp * lps // c.page_size], (lp * lps % c.page_size) // lps
-      np.testing.assert_allclose(state["kmin"][layer][page, :, sub], blk.min(0), atol=1e-6)
-      np.testing.assert_allclose(state["kmax"][layer][page, :, sub], blk.max(0), atol=1e-6)
+      np.testing.assert_allclose(state.kmin[layer][page, :, sub], blk.min(0), atol=1e-6)
+      np.testing.assert_allclose(state.kmax[layer][page, :, sub], blk.max(0), atol=1e-6)
     # streaming heads keep exactly the sink tokens and the ring of recent pages
     sh = c.streaming_heads(layer)
     nums = np.asarray(pc.stream_page_numbers(c, jnp.asarray([t])))[0]
@@ -75,9 +75,9 @@ def test_contents_and_statistics_match_contiguous(kv_int8):
         continue
       page = seq.stream_pages[slot]
       hi = min((num + 1) * c.page_size, t)
-      got = state["sk"][layer][page]
+      got = state.sk[layer][page]
       if kv_int8:
-        got = got * state["sk_scale"][layer][page][..., None]
+        got = got * state.sk_scale[layer][page][..., None]
       got = got[:, :hi - num * c.page_size].transpose(1, 0, 2)
       np.testing.assert_allclose(got, keys[num * c.page_size:hi, layer][:, sh], atol=tol)
   assert c.stream_pages_per_request == 1 + 3
