@@ -1,5 +1,6 @@
 """Paged cache: contents equal the contiguous cache, statistics equal recomputed min/max, allocator."""
 
+import dataclasses
 import functools
 
 import jax
@@ -129,3 +130,23 @@ def test_bad_configs_and_requests():
     cache.admit("a", 8)
   with pytest.raises(InputError, match="double free"):
     cache.alloc.free([3])
+
+
+@pytest.mark.parametrize("kv_int8", [False, True])
+def test_state_is_a_typed_pytree(kv_int8):
+  c = _config(kv_int8=kv_int8)
+  st = pc.init_state(c)
+  assert isinstance(st, pc.PagedState) and st.num_layers == c.num_layers
+  assert st.quantized == kv_int8 and (st.sk_scale is None) != kv_int8
+  assert st.k[0].dtype == (jnp.int8 if kv_int8 else jnp.float32)
+  assert st.k[0].shape == (c.num_pages, 2, c.page_size, c.head_dim)      # layer 0: 2 retrieval heads
+  assert st.sk[0].shape == (c.num_stream_pages, 1, c.page_size, c.head_dim)
+  assert st.kmin[1].shape == (c.num_pages, 2, c.logical_per_page, c.head_dim)
+  assert len(jax.tree.leaves(st)) == (10 if kv_int8 else 6) * c.num_layers
+  back = jax.jit(lambda s: s)(st)  # through jit as one argument, structure kept
+  assert jax.tree.structure(back) == jax.tree.structure(st)
+  with pytest.raises(InputError, match="pool"):
+    st.pool("kmin", 0)
+  if kv_int8:
+    with pytest.raises(ConfigError, match="all given or all None"):
+      dataclasses.replace(st, v_scale=None)
