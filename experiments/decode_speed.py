@@ -32,7 +32,7 @@ def _config(quick: bool):
 def run(quick: bool, out_dir: str) -> list[Row]:
   import torch
   import jaxsys.models as M
-  from jaxsys.serving.generate import generate
+  from jaxsys.serving.generation import generate
 
   torch.set_num_threads(max(1, torch.get_num_threads()))
   cfg = _config(quick)

@@ -7,7 +7,7 @@ exact, so every system computes with the same numbers) and the original Q4_1, wi
 threads as this process has cores. Parts (``--parts``):
 
 * ``decode``: greedy decode tokens/s at batch 1 (prompt 128, 64 new tokens; quick 32) for jaxsys
-  (``jaxsys.serving.generate`` on ``pack_for_decode`` models: f32, bf16, weight-only int8; and the
+  (``jaxsys.serving.generation`` on ``pack_for_decode`` models: f32, bf16, weight-only int8; and the
   unpacked f32 model, the path before the small-M work) vs llama.cpp at the same precision
   (F32, F16, Q4_1), and vs transformers eager (a few tokens); batch 8 end to end (prefill +
   decode) against llama.cpp serving the 8 requests one after the other; the fraction of the
@@ -331,7 +331,7 @@ def _passkey(ctx, quick: bool) -> list[Row]:
 def _precision(ctx, quick: bool) -> list[Row]:
   import jax.numpy as jnp
   from flax import nnx
-  from jaxsys.serving.kv_cache import KVCache
+  from jaxsys.decoding.cache import KVCache
   models, tok, gen = ctx["models"], ctx["tokenizer"], ctx["generate"]
   ids = passkey_prompts(tok, 256, [0])[0][0]
   tokens = jnp.asarray([ids])
@@ -369,7 +369,7 @@ def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
   from jaxsys.models.decoder import pack_for_decode
   from jaxsys.models.pretrained import load_pretrained, model_path
-  gen = importlib.import_module("jaxsys.serving.generate").generate
+  gen = importlib.import_module("jaxsys.serving.generation").generate
   selected = [p for p in PARTS if not parts or p in parts]
   base, tokenizer = load_pretrained(MODEL)
   models = {"f32 unpacked": base}

@@ -40,7 +40,7 @@ def _variants(model, length: int, train_len: int):
 def run(quick: bool, out_dir: str) -> list[Row]:
   import jaxsys.models as M
   from jaxsys.data import synthetic as S
-  from jaxsys.serving.generate import generate
+  from jaxsys.serving.generation import generate
 
   model = M.load_tiny_lm()
   train_len = model.config.max_position_embeddings

@@ -7,13 +7,13 @@ window (Mistral), SwiGLU MLP and RMSNorm; embeddings may be tied to the LM head.
 Calling ``model(tokens)`` on ``int[batch, seq]`` returns ``logits [batch, seq, vocab]``. Keyword
 arguments carry the rest: ``positions`` (``int[batch, seq]``, for packed or zigzag-reordered
 sequences; default ``arange``), ``segment_ids`` (packed sequences), ``embeds`` (input embeddings
-instead of tokens, e.g. from a vision tower), ``cache`` (a KV cache, see
-``jaxsys.serving.kv_cache.KVCache``) and ``return_hidden``. With a cache or ``return_hidden`` the
+instead of tokens, e.g. from a vision tower), ``cache`` (a KV cache or any cache of the protocol in
+``jaxsys.decoding.cache``) and ``return_hidden``. With a cache or ``return_hidden`` the
 result is a :class:`DecoderOutput` ``(logits, cache, hidden)``.
 
-Pieces for running the model layer by layer with other attention/caches: ``model.embed``,
-``model.layers[i].attn.project_qkv / project_out``, ``model.layers[i].mlp``,
-``model.layers[i].attn_norm / mlp_norm``, ``model.final_norm``, ``model.logits``.
+Other attention and caches plug in through the cache protocol (``jaxsys.decoding.cache``), never by
+running the blocks outside the model; ``model.embed``, ``model.final_norm`` and ``model.logits``
+are the pieces around :meth:`Decoder.forward_hidden`.
 
 Usage::
 
@@ -60,11 +60,13 @@ class DecoderLayer(nnx.Module):
     self.mlp_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=pdt)
     self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, positions, *, segment_ids=None, kv_cache=None, cache_lengths=None):
-    a, kv = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, kv_cache=kv_cache,
-                      cache_lengths=cache_lengths)
+  def __call__(self, x, positions, *, segment_ids=None, cache=None, layer: int = 0):
+    """``x [batch, seq, embed]`` -> ``(out [batch, seq, embed], cache)``; ``cache`` follows the
+    protocol of ``jaxsys.decoding.cache`` (``layer`` is this block's index in it)."""
+    a, cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache,
+                         layer=layer)
     h = x + a
-    return h + self.mlp(self.mlp_norm(h)), kv
+    return h + self.mlp(self.mlp_norm(h)), cache
 
 
 def default_positions(batch: int, seq: int, offsets=None):
@@ -120,7 +122,10 @@ class Decoder(nnx.Module):
                      embeds=None):
     """Runs the blocks and the final norm; returns ``(hidden [batch, seq, embed], cache)``.
 
-    Lets callers apply :meth:`logits` to a few positions only (e.g. the last prompt token).
+    This is the library's only loop over the blocks: prefill, decode, paged LServe decode,
+    speculative verification and the streaming-gate distillation all run through it with their
+    own ``cache`` (the protocol of ``jaxsys.decoding.cache``). Callers apply :meth:`logits` to
+    the positions they need (e.g. the last prompt token).
     """
     x = self._inputs(tokens, embeds)
     b, s = x.shape[:2]
@@ -129,18 +134,13 @@ class Decoder(nnx.Module):
       positions = default_positions(b, s, lengths)
     elif positions.shape != (b, s):
       raise ShapeError(f"positions must have shape {(b, s)}, got {positions.shape}")
-    if cache is not None and len(cache.k) != len(self.layers):
-      raise ShapeError(f"cache has {len(cache.k)} layers but the model has {len(self.layers)}")
-    new_k, new_v = [], []
+    if cache is not None and hasattr(cache, "check_layers"):
+      cache.check_layers(len(self.layers))
     for i, layer in enumerate(self.layers):
-      kv = None if cache is None else (cache.k[i], cache.v[i])
       call = _maybe_remat(layer, self.config.remat and cache is None)
-      x, kv = call(x, positions, segment_ids=segment_ids, kv_cache=kv, cache_lengths=lengths)
-      if kv is not None:
-        new_k.append(kv[0])
-        new_v.append(kv[1])
+      x, cache = call(x, positions, segment_ids=segment_ids, cache=cache, layer=i)
     if cache is not None:
-      cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + s)
+      cache = cache.advance(s)
     return self.final_norm(x), cache
 
   def _inputs(self, tokens, embeds):

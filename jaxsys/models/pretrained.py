@@ -197,9 +197,9 @@ def _chat_ids(tokenizer, messages) -> list[int]:
 
 
 def _reply(model, tokenizer, ids, args) -> str:
-  from jaxsys.serving import Sampling, generate  # noqa: PLC0415
-  sampling = None if args.temperature == 0 else Sampling(args.temperature, top_p=args.top_p,
-                                                        seed=args.seed)
+  from jaxsys.decoding.sampling import SamplingParams  # noqa: PLC0415
+  from jaxsys.serving import generate  # noqa: PLC0415
+  sampling = SamplingParams(args.temperature, top_p=args.top_p, seed=args.seed)
   res = generate(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)
   return tokenizer.decode(res.tokens[0], skip_special_tokens=True)
 
@@ -236,7 +236,7 @@ def _add_generation_args(p) -> None:
   p.add_argument("name", choices=sorted(MODELS), help="model name")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-  p.add_argument("--top-p", type=float, default=None)
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
 

@@ -6,14 +6,15 @@
   q ``[batch, seq, heads, head_dim]``, k/v ``[batch, seq, kv_heads, head_dim]``.
 * ``project_out(o)``: ``[batch, seq, heads, head_dim] -> [batch, seq, embed]``.
 * ``__call__``: both, with ``attention_fn`` (default :func:`jaxsys.ops.attention`) in between,
-  optionally reading/writing a contiguous KV cache.
+  or, given a cache (``jaxsys.decoding.cache``), the cache's own write and attention.
 
 ``attention_fn`` has the signature of ``jaxsys.ops.attention`` (q, k, v, mask=, segment_ids=,
 scale=, q_offset=, kv_lengths=); only non-None keywords are passed, so a sequence-parallel
 attention without cache support can be dropped in (``functools.partial(fn, mesh=...)``).
 
-With a cache and at most ``DECODE_MAX_Q`` new tokens, the default XLA attention is replaced by
-:func:`decode_attention` (same math, no copy of the cache per layer per step).
+With a contiguous cache and at most ``jaxsys.decoding.cache.DECODE_MAX_Q`` new tokens, the default
+XLA attention is replaced by :func:`decode_attention` (same math, no copy of the cache per layer
+per step).
 
 GQA (Ainslie et al., 2023): query head h reads kv head ``h // (heads // kv_heads)``.
 """
@@ -131,44 +132,25 @@ class Attention(nnx.Module):
     kwargs = {k_: v_ for k_, v_ in kwargs.items() if v_ is not None}
     return self.attention_fn(q, k, v, mask=self.mask, **kwargs)
 
-  def __call__(self, x, positions, *, segment_ids=None, kv_cache=None, cache_lengths=None):
-    """Returns ``(out [batch, seq, embed], new_kv_cache or None)``.
+  def __call__(self, x, positions, *, segment_ids=None, cache=None, layer: int = 0):
+    """Returns ``(out [batch, seq, embed], cache)``.
 
-    ``kv_cache``: ``(k_cache, v_cache)`` each ``[batch, max_len, kv_heads, head_dim]``;
-    ``cache_lengths int[batch]``: tokens already in the cache. The new keys/values are written
-    at rows ``cache_lengths + arange(seq)`` (in place when the caller donates the cache) and
-    the queries attend over cache rows ``< cache_lengths + seq`` with their absolute offsets.
+    Without a cache, ``attention_fn`` runs over this call's tokens with the layer's mask.
+    With one (see ``jaxsys.decoding.cache``), the cache writes this layer's new keys/values
+    where it keeps them and computes the attention: ``cache.attend(layer, self, q, k, v)``.
     """
     q, k, v = self.project_qkv(x, positions)
-    if kv_cache is None:
-      o = self.attend(q, k, v, segment_ids=segment_ids)
-      return self.project_out(o), None
-    k_cache, v_cache = kv_cache
-    b, s = x.shape[:2]
-    if cache_lengths is None:
-      raise ShapeError("cache_lengths int[batch] is required with kv_cache")
+    if cache is None:
+      return self.project_out(self.attend(q, k, v, segment_ids=segment_ids)), None
     if segment_ids is not None:
       raise NotImplementedError("segment_ids with a KV cache are not supported; pack without a cache")
-    rows = cache_lengths[:, None] + jnp.arange(s, dtype=jnp.int32)  # [batch, seq]
-    bidx = jnp.arange(b)[:, None]
-    k_cache = k_cache.at[bidx, rows].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[bidx, rows].set(v.astype(v_cache.dtype), mode="drop")
-    kc, vc = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
-    if s <= DECODE_MAX_Q and _is_default_xla(self.attention_fn):
-      o = decode_attention(q, kc, vc, mask=self.mask, q_offset=cache_lengths,
-                           kv_lengths=cache_lengths + s)
-    else:
-      o = self.attend(q, kc, vc, q_offset=cache_lengths, kv_lengths=cache_lengths + s)
-    return self.project_out(o), (k_cache, v_cache)
+    o, cache = cache.attend(layer, self, q, k, v)
+    return self.project_out(o), cache
 
 
-#: Queries per row up to which a cached call uses :func:`decode_attention` (decode steps,
-#: draft verification); longer calls (chunked prefill) go through ``attention_fn``.
-DECODE_MAX_Q = 16
-
-
-def _is_default_xla(fn) -> bool:
-  """True for ``default_attention_fn(impl)`` running the XLA backend (CPU auto, or "xla")."""
+def uses_default_xla(fn) -> bool:
+  """True for ``default_attention_fn(impl)`` running the XLA backend (CPU auto, or "xla"), where
+  a cached call of a few queries may use :func:`decode_attention` instead (same math)."""
   if not (isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "attention"
           and fn.func.__module__ == "jaxsys.ops.attention.api"):
     return False

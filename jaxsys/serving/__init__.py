@@ -1,15 +1,14 @@
-"""Serving: generation with a contiguous KV cache, and the LServe sparse-attention engine."""
+"""Serving, as thin layers over the decoding core (``jaxsys.decoding``).
+
+* ``generation``: ``generate`` (batched prompts, contiguous cache, one on-device decode loop).
+* ``engine``: ``ServingEngine`` / ``ServingConfig``: continuous batching over the paged cache,
+  dense or LServe sparse attention; ``paged_views``: the paged cache as caches of the core.
+* ``paged_cache``, ``page_select``, ``lserve``, ``prefill``, ``streaming``: the LServe pieces.
+"""
 
 from jaxsys._lazy import lazy_exports
 
-# Bound eagerly: importing the ``generate`` submodule would otherwise shadow the function.
-from jaxsys.serving.generate import GenerationResult, Sampling, generate  # noqa: E402
-
-_getattr, __dir__ = lazy_exports(__name__, {
-    "ServingEngine": "engine",
-    "ServingConfig": "engine",
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "generate": "generation", "GenerationResult": "generation", "decode_step": "generation",
+    "ServingEngine": "engine", "ServingConfig": "engine", "ServingResult": "engine",
 })
-
-
-def __getattr__(name):
-  return _getattr(name)

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompt + new tokens of a request (default: the pool, num-pages x page-size; "
                       "never beyond the model's context length)")
   p.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
-  p.add_argument("--top-p", type=float, default=None)
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="write JSON lines here instead of stdout")
   p.add_argument("--progress", action="store_true")
@@ -93,7 +93,7 @@ def load_model(name: str):
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   from jaxsys.serving.engine import ServingEngine, ServingConfig
-  from jaxsys.serving.generate import Sampling
+  from jaxsys.decoding.sampling import SamplingParams
   from jaxsys.serving.lserve import LServeConfig
   from jaxsys.serving.streaming import StreamingGates
   try:
@@ -112,8 +112,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
       streaming = gates.streaming
     engine = ServingEngine(load_model(args.model), cfg, streaming=streaming)
-    sampling = None if args.temperature is None else Sampling(args.temperature, top_p=args.top_p,
-                                                                seed=args.seed)
+    sampling = None if args.temperature is None else SamplingParams(args.temperature, top_p=args.top_p,
+                                                                      seed=args.seed)
     max_new = [args.max_new_tokens if m is None else int(m) for m in news]
     res = engine.generate(prompts, max_new, sampling=sampling, progress=args.progress)
   except (ConfigError, InputError) as e:

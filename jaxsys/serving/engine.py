@@ -42,9 +42,10 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.serving import lserve as lserve_lib
-from jaxsys.serving.generate import (Sampling, _check_prompts, bucket, context_length, describe_context,
-                                     sample_tokens)
-from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError, write_tokens
+from jaxsys.decoding.core import bucket, check_prompts, context_length, describe_context
+from jaxsys.decoding.sampling import SamplingParams, sample_logits
+from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError
+from jaxsys.serving.paged_views import PagedDecode
 from jaxsys.serving.prefill import check_model, prefill
 
 
@@ -153,20 +154,22 @@ class ServingEngine:
     return hidden
 
   # -- generation ---------------------------------------------------------------------------
-  def generate(self, prompts, max_new_tokens, *, sampling: Sampling | None = None,
+  def generate(self, prompts, max_new_tokens, *, sampling: SamplingParams | None = None,
                stop_tokens=None, progress: bool = False, return_logits: bool = False) -> ServingResult:
     """Serves all prompts with continuous batching; see the module docstring.
 
     ``max_new_tokens``: an int or one per prompt. ``sampling=None`` is greedy.
     """
     mc = self.model.config
-    arrs = _check_prompts(prompts, mc.vocab_size)
+    arrs = check_prompts(prompts, mc.vocab_size)
     news = [max_new_tokens] * len(arrs) if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
     if len(news) != len(arrs) or any(int(m) < 1 for m in news):
       raise InputError(f"max_new_tokens must be a positive int or one per prompt, got {max_new_tokens!r}")
     stops = set(getattr(mc, "eos_ids", ()) if stop_tokens is None else stop_tokens)
-    s = sampling
-    key = jax.random.PRNGKey(0 if s is None else s.seed)
+    s = None if sampling is None or sampling.greedy else sampling  # None: greedy
+    if sampling is not None:
+      sampling.check_vocab(mc.vocab_size)
+    key = jax.random.PRNGKey(0 if sampling is None else sampling.seed)
     errors: list[str | None] = [None] * len(arrs)
     waiting = collections.deque()
     reqs = [_Request(i, a, int(m)) for i, a in enumerate(arrs, 0) for m in [news[i]]]
@@ -287,10 +290,11 @@ class ServingEngine:
 
 
 def _pick(logits, key, sampling):
+  """``sampling``: None (greedy) or the static ``(temperature, top_k, top_p)``."""
   if sampling is None:
-    return sample_tokens(logits, key, greedy=True)
-  return sample_tokens(logits, key, greedy=False, temperature=sampling[0], top_k=sampling[1],
-                       top_p=sampling[2])
+    return sample_logits(key, logits, greedy=True)
+  t, k, p = sampling
+  return sample_logits(key, logits, greedy=False, temperature=t, top_k=k, top_p=p if p < 1 else None)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -305,20 +309,11 @@ def _first_token(graphdef, params, hidden, key, index, sampling):
 def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positions, active, bt,
                  stt, numbers, reselect, key, sampling, impl):
   model = nnx.merge(graphdef, params)
-  x = model.embed(tokens[:, None])  # [slots, 1, embed]
-  pos = positions[:, None]
-  lengths = jnp.where(active, positions + 1, 0)
-  new_numbers = []
-  for i, layer in enumerate(model.layers):
-    q, k, v = layer.attn.project_qkv(layer.attn_norm(x), pos)  # [slots, 1, heads, d]
-    st = write_tokens(c, st, i, k, v, bt, stt, pos, active[:, None])
-    o, nums = lserve_lib.decode_attention(c, sel, st, i, q[:, 0], bt, stt, lengths, numbers[i],
-                                          reselect=reselect, impl=impl)
-    new_numbers.append(nums)
-    h = x + layer.attn.project_out(o[:, None])
-    x = h + layer.mlp(layer.mlp_norm(h))
-  logits = model.logits(model.final_norm(x))[:, 0]  # [slots, vocab]
-  return logits, _pick(logits, key, sampling), st, tuple(new_numbers)
+  view = PagedDecode(st, bt, stt, positions, active, tuple(numbers), config=c, selection=sel,
+                     reselect=reselect, impl=impl)
+  h, view = model.forward_hidden(tokens[:, None], positions=positions[:, None], cache=view)
+  logits = model.logits(h)[:, 0]  # [slots, vocab]
+  return logits, _pick(logits, key, sampling), view.state, view.numbers
 
 
 def _progress(enabled: bool, total: int):

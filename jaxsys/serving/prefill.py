@@ -27,7 +27,8 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops import attention, masks
-from jaxsys.serving.paged_cache import PagedCacheConfig, write_tokens
+from jaxsys.serving.paged_cache import PagedCacheConfig
+from jaxsys.serving.paged_views import PagedPrefill
 
 
 def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
@@ -55,8 +56,8 @@ def check_model(model, c: PagedCacheConfig):
     raise ConfigError(f"cache (num_layers={c.num_layers}, num_kv_heads={c.num_kv_heads}, "
                       f"head_dim={c.head_dim}) does not match the model "
                       f"({mc.num_layers}, {mc.num_kv_heads}, {mc.head_dim})")
-  for i, layer in enumerate(model.layers):
-    if getattr(layer.attn, "sliding_window", None) is not None:
+  for i in range(mc.num_layers):
+    if mc.window(i) is not None:
       raise NotImplementedError(f"layer {i} uses a sliding window; LServe serving assumes full attention")
 
 
@@ -83,30 +84,25 @@ def _prefill(graphdef, params, c, st, tokens, length, block_table, stream_table,
              retrieval_mask, impl):
   model = nnx.merge(graphdef, params)
   b, t = tokens.shape
+  mc = model.config
   pos_all = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_all = pos_all < length
   kv_len = jnp.broadcast_to(length, (b,))
   kbuf = vbuf = None
+  if chunk < t:  # chunk c attends to the prompt prefix [0, (c + 1) chunk): keep its keys
+    shape = (b, t, mc.num_kv_heads, mc.head_dim)
+    kbuf = tuple(jnp.zeros(shape, mc.jnp_dtype) for _ in range(mc.num_layers))
+    vbuf = tuple(jnp.zeros(shape, mc.jnp_dtype) for _ in range(mc.num_layers))
   hidden = []
   for start in range(0, t, chunk):
     end = start + chunk
-    x = model.embed(tokens[:, start:end])  # [b, chunk, embed]
-    pos, valid = pos_all[:, start:end], valid_all[:, start:end]
-    for i, layer in enumerate(model.layers):
-      q, k, v = layer.attn.project_qkv(layer.attn_norm(x), pos)  # [b, chunk, heads, d]
-      st = write_tokens(c, st, i, k, v, block_table, stream_table, pos, valid)
-      if chunk < t:  # keys of the whole prefix so far, per layer
-        if kbuf is None:
-          kbuf = [jnp.zeros((b, t) + k.shape[2:], k.dtype) for _ in model.layers]
-          vbuf = [jnp.zeros((b, t) + v.shape[2:], v.dtype) for _ in model.layers]
-        kbuf[i] = jax.lax.dynamic_update_slice_in_dim(kbuf[i], k, start, axis=1)
-        vbuf[i] = jax.lax.dynamic_update_slice_in_dim(vbuf[i], v, start, axis=1)
-        k, v = kbuf[i][:, :end], vbuf[i][:, :end]
-      o = hybrid_attention(c, i, q, k, v, q_offset=start, kv_lengths=kv_len,
-                           retrieval_mask=retrieval_mask, impl=impl)
-      h = x + layer.attn.project_out(o)
-      x = h + layer.mlp(layer.mlp_norm(h))
-    hidden.append(x)
-  x = jnp.concatenate(hidden, axis=1)  # [b, t, embed]
-  last = jnp.take_along_axis(x, jnp.broadcast_to(length - 1, (b, 1, 1)), axis=1)[:, 0]
-  return st, model.final_norm(last)
+    pos = pos_all[:, start:end]
+    view = PagedPrefill(st, block_table, stream_table, pos, valid_all[:, start:end], kv_len,
+                        kbuf, vbuf, config=c, q_offset=start, retrieval_mask=retrieval_mask,
+                        impl=impl)
+    h, view = model.forward_hidden(tokens[:, start:end], positions=pos, cache=view)
+    st, kbuf, vbuf = view.state, view.kbuf, view.vbuf
+    hidden.append(h)
+  h = jnp.concatenate(hidden, axis=1)  # [b, t, embed] after the final norm
+  last = jnp.take_along_axis(h, jnp.broadcast_to(length - 1, (b, 1, 1)), axis=1)[:, 0]
+  return st, last

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,24 +75,41 @@ class StreamingGates:
                d["window"], d["sparsity"], tuple(d.get("history", ())))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GateMix:
+  """A cache of the decoding core (``jaxsys.decoding.cache``) with no storage: each layer's
+  attention is ``alpha * full + (1 - alpha) * streaming`` per kv head (``alpha [layers, kv_heads]``;
+  ``None``: the layer's own attention only). Full attention uses the layer's mask (causal or its
+  sliding window); streaming attention sees ``Sink(sink) | Local(window)`` within that mask."""
+  alpha: Any
+  sink: int = dataclasses.field(default=64, metadata=dict(static=True))
+  window: int = dataclasses.field(default=256, metadata=dict(static=True))
+  impl: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+  lengths = None
+
+  def attend(self, layer: int, attn, q, k, v):
+    full = attention(q, k, v, mask=attn.mask, impl=self.impl)  # [b, T, heads, d]
+    if self.alpha is None:
+      return full, self
+    stream_mask = masks.Sink(self.sink) | masks.Local(self.window)
+    if attn.sliding_window is not None:
+      stream_mask = attn.mask & stream_mask
+    stream = attention(q, k, v, mask=stream_mask, impl=self.impl)
+    g = q.shape[2] // k.shape[2]
+    a = jnp.repeat(self.alpha[layer], g)[None, None, :, None].astype(full.dtype)  # per query head
+    return a * full + (1 - a) * stream, self
+
+  def advance(self, seq: int) -> "GateMix":
+    return self
+
+
 def gated_hidden(model, tokens, alpha, *, sink: int, window: int, impl: str = "auto"):
   """Final hidden states ``[b, T, embed]`` of the gate-mixed model (alpha ``[layers, kv_heads]``;
   alpha = None runs plain full attention)."""
-  mc = model.config
-  b, t = tokens.shape
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  g = mc.num_heads // mc.num_kv_heads
-  x = model.embed(tokens)
-  for i, layer in enumerate(model.layers):
-    q, k, v = layer.attn.project_qkv(layer.attn_norm(x), pos)  # [b, T, heads, d]
-    full = attention(q, k, v, mask=masks.Causal(), impl=impl)
-    if alpha is not None:
-      stream = attention(q, k, v, mask=masks.Sink(sink) | masks.Local(window), impl=impl)
-      a = jnp.repeat(alpha[i], g)[None, None, :, None].astype(full.dtype)  # per query head
-      full = a * full + (1 - a) * stream
-    h = x + layer.attn.project_out(full)
-    x = h + layer.mlp(layer.mlp_norm(h))
-  return model.final_norm(x)
+  h, _ = model.forward_hidden(tokens, cache=GateMix(alpha, sink=sink, window=window, impl=impl))
+  return h
 
 
 def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,

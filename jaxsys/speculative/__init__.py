@@ -1,7 +1,9 @@
 """TLT speculative decoding for RL rollouts.
 
-* ``sampling``: ``SamplingParams`` (temperature / top-k / top-p, validated) and the processed
-  target distribution acceptance works on.
+Sampling parameters and the processed target distribution acceptance works on are the decoding
+core's (``jaxsys.decoding.sampling``); the target runs through ``Decoder.forward_hidden`` with a
+``jaxsys.decoding.cache.TreeCache``.
+
 * ``tree``: draft-tree selection, ancestor mask, positions, ``TreeMask`` for ``jaxsys.ops.attention``.
 * ``acceptance``: lossless greedy / rejection-sampling acceptance over siblings (pure functions).
 * ``forward``, ``decode``: tree-masked target/drafter passes over a contiguous KV cache,
@@ -15,7 +17,6 @@
 from jaxsys._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "SamplingParams": "sampling", "GREEDY": "sampling", "target_probs": "sampling",
     "Tree": "tree", "TreeMask": "tree", "select_tree": "tree", "ancestor_matrix": "tree",
     "accept_tree": "acceptance", "accept_batch": "acceptance",
     "Strategy": "bandit", "BucketedBandit": "bandit",

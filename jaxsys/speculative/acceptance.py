@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsys.speculative.sampling import sample_probs
+from jaxsys.decoding.sampling import sample_probs
 from jaxsys.speculative.tree import Tree, children_table
 
 

@@ -14,13 +14,13 @@ Usage::
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 
 import numpy as np
 
 from jaxsys.core.errors import ConfigError
+from jaxsys.decoding.core import bucket_of  # noqa: F401  (re-exported for the bandit users)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +56,6 @@ class Strategy:
   @staticmethod
   def chain(depth: int) -> "Strategy":
     return Strategy(depth, 1, depth + 1)
-
-
-def bucket_of(n: int, buckets) -> int:
-  """The smallest bucket >= n (buckets sorted ascending)."""
-  i = bisect.bisect_left(buckets, n)
-  if i == len(buckets):
-    raise ConfigError(f"batch size {n} exceeds the largest bucket {buckets[-1]}")
-  return buckets[i]
 
 
 class BucketedBandit:

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.serving.kv_cache import KVCache
+from jaxsys.decoding import core
+from jaxsys.decoding.cache import KVCache
 from jaxsys.speculative import acceptance as acc_lib
 from jaxsys.speculative import forward as fwd
-from jaxsys.speculative import sampling as smp
+from jaxsys.decoding import sampling as smp
 from jaxsys.speculative import tree as tree_lib
 from jaxsys.speculative.bandit import Strategy
 
@@ -70,24 +71,8 @@ class DecodeConfig:
 
 def _emit(state: DecodeState, tokens, n_new, cfg: DecodeConfig):
   """Appends ``tokens [b, W]`` (first ``n_new`` valid) to ``out``; stops at stop tokens/max_new."""
-  b, w = tokens.shape
-  idx = jnp.arange(w)[None]
-  valid = idx < n_new[:, None]
-  room = cfg.max_new - state.n_out
-  valid = valid & (idx < room[:, None])
-  if cfg.stop_tokens:
-    is_stop = jnp.isin(tokens, jnp.asarray(cfg.stop_tokens, jnp.int32)) & valid
-    first = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1), w)
-    valid = valid & (idx <= first[:, None])
-    hit = is_stop.any(-1)
-  else:
-    hit = jnp.zeros((b,), bool)
-  valid = valid & ~state.done[:, None]
-  n = valid.sum(-1).astype(jnp.int32)
-  rows = jnp.where(valid, state.n_out[:, None] + idx, cfg.max_new)
-  out = state.out.at[jnp.arange(b)[:, None], rows].set(tokens, mode="drop")
-  n_out = state.n_out + n
-  done = state.done | ((hit | (n_out >= cfg.max_new)) & (n > 0))
+  out, n_out, done, _ = core.emit(state.out, state.n_out, state.done, tokens, n_new,
+                                  max_new=cfg.max_new, stop_tokens=cfg.stop_tokens)
   return state.replace(out=out, n_out=n_out, done=done)
 
 
@@ -111,12 +96,9 @@ def init_state(model, drafter_cfg, prompts, lengths, cfg: DecodeConfig, key) -> 
 def prefill(model, state: DecodeState, prompts, lengths, cfg: DecodeConfig) -> DecodeState:
   """Runs the prompts (right-padded ``int[b, Lp]``, true ``lengths``) and samples the root."""
   b, lp = prompts.shape
-  pos = jnp.broadcast_to(jnp.arange(lp, dtype=jnp.int32), (b, lp))
-  causal = jnp.broadcast_to(jnp.tril(jnp.ones((lp, lp), bool)), (b, lp, lp))
-  zero = jnp.zeros((b,), jnp.int32)
-  _, h, cache = fwd.target_tree_forward(model, state.cache.with_lengths(zero), prompts, pos, causal,
-                                        start=zero)
-  cache = cache.with_lengths(lengths)
+  # The decoding core's prefill: a causal forward over the contiguous cache, so the attention
+  # layout skips every block above the diagonal.
+  h, cache = core.prefill_hidden(model, prompts, lengths, state.cache)
   h_last = h[jnp.arange(b), lengths - 1]  # [b, embed]
   logits = model.logits(h_last[:, None])[:, 0]
   key, sub = jax.random.split(state.key)
@@ -156,8 +138,8 @@ def drafter_sync(model, drafter, state: DecodeState) -> DecodeState:
   pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   vis = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
   zero = jnp.zeros((b,), jnp.int32)
-  _, dk, dv = fwd.layer_tree_forward(drafter.layer, x, pos, state.dk, state.dv, vis=vis,
-                                     prefix_len=zero, write_start=zero)
+  _, dk, dv = fwd.drafter_forward(drafter, x, pos, state.dk, state.dv, vis=vis,
+                                  prefix_len=zero, write_start=zero)
   rows = jnp.arange(b)
   pend_tok = jnp.zeros_like(state.pend_tok).at[:, 0].set(state.root)
   pend_feat = jnp.zeros_like(state.pend_feat).at[:, 0].set(state.feats[rows, L - 1])
@@ -168,9 +150,9 @@ def drafter_sync(model, drafter, state: DecodeState) -> DecodeState:
 def _drafter_block(model, drafter, state, tokens, feats, positions, vis, prefix_len, write_start,
                    tree_start):
   x = drafter.fuse(model, tokens, feats)
-  out, dk, dv = fwd.layer_tree_forward(drafter.layer, x, positions, state.dk, state.dv, vis=vis,
-                                       prefix_len=prefix_len, write_start=write_start,
-                                       tree_start=tree_start)
+  out, dk, dv = fwd.drafter_forward(drafter, x, positions, state.dk, state.dv, vis=vis,
+                                    prefix_len=prefix_len, write_start=write_start,
+                                    tree_start=tree_start)
   return drafter.out_norm(out), state.replace(dk=dk, dv=dv)
 
 

@@ -37,9 +37,11 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.drafter import check_compatible
 from jaxsys.speculative import decode as dec
 from jaxsys.speculative import fused
-from jaxsys.speculative.bandit import BucketedBandit, Strategy, bucket_of
+from jaxsys.decoding import core
+from jaxsys.decoding.core import bucket_of
+from jaxsys.speculative.bandit import BucketedBandit, Strategy
 from jaxsys.speculative.pool import ExecutablePool, enable_persistent_cache
-from jaxsys.speculative.sampling import GREEDY, SamplingParams
+from jaxsys.decoding.sampling import GREEDY, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,11 +274,7 @@ class RolloutEngine:
       raise ConfigError("speculative decoding needs a drafter")
     n = len(arrs)
     b = bucket_of(n, c.batch_buckets)
-    toks = np.zeros((b, c.max_prompt), np.int32)
-    lens = np.ones((b,), np.int32)
-    for i, a in enumerate(arrs):
-      toks[i, :len(a)] = a
-      lens[i] = len(a)
+    toks, lens = core.pad_batch(arrs, b, c.max_prompt)
     rows = np.arange(b)  # engine row -> prompt index (>= n: padding)
     state = self._exe("init", b)(np.uint32(seed))
     # device_put, not jnp.asarray: the latter compiles a staging copy per new shape (mid-rollout).
@@ -424,21 +422,11 @@ class RolloutEngine:
                                feats[j, :length].copy())
 
   def _check_prompts(self, prompts):
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-      raise InputError("prompts must be a non-empty list of token-id lists")
-    out = []
-    v = self.model_config.vocab_size
-    for i, p in enumerate(prompts):
-      a = np.asarray(p)
-      if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"prompts[{i}] must be a non-empty 1-D list of token ids")
-      if a.size > self.config.max_prompt:
-        raise InputError(f"prompts[{i}] has {a.size} tokens > max_prompt={self.config.max_prompt}")
-      if a.min() < 0 or a.max() >= v:
-        raise InputError(f"prompts[{i}] has token ids outside [0, vocab_size={v})")
-      out.append(a.astype(np.int32))
-    if len(out) > self.config.batch_buckets[-1]:
-      raise InputError(f"{len(out)} prompts exceed the largest batch bucket {self.config.batch_buckets[-1]}")
+    c = self.config
+    out = core.check_prompts(prompts, self.model_config.vocab_size, max_len=c.max_prompt,
+                             limit="max_prompt")
+    if len(out) > c.batch_buckets[-1]:
+      raise InputError(f"{len(out)} prompts exceed the largest batch bucket {c.batch_buckets[-1]}")
     return out
 
 

@@ -10,7 +10,7 @@ the engine shrinks the batch) the long-tail loop:
 * ``spec_loop``: drafter sync, then ``draft`` + ``verify`` rounds of one strategy until every row
   is done, counting verify rounds and accepted tokens on device.
 
-Both loops are built from the same step functions as the per-step engine (``decode.vanilla_step``,
+Both loops are the decoding core's ``while_running`` over the same step functions as the per-step engine (``decode.vanilla_step``,
 ``decode.draft``, ``decode.verify``), so outputs are identical; the vanilla baseline is compiled
 the same way, so a TLT-vs-vanilla comparison measures speculation, not dispatch overhead.
 """
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsys.decoding import core
 from jaxsys.speculative import decode as dec
 from jaxsys.speculative.bandit import Strategy
 
@@ -35,16 +36,8 @@ def vanilla_loop(model, state: dec.DecodeState, min_running, cfg: dec.DecodeConf
   Returns ``(state, steps)``. Every step emits a token per running row, so ``max_new`` steps
   bound the loop (the counter guards against a state that never finishes).
   """
-  def cond(carry):
-    s, n = carry
-    r = _running(s)
-    return (r > 0) & (r >= min_running) & (n < cfg.max_new)
-
-  def body(carry):
-    s, n = carry
-    return dec.vanilla_step(model, s, cfg), n + 1
-
-  return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+  return core.while_running(lambda s: dec.vanilla_step(model, s, cfg), state, running=_running,
+                            max_steps=cfg.max_new, min_running=min_running)
 
 
 def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig):
@@ -55,19 +48,17 @@ def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: d
   """
   state = dec.drafter_sync(model, drafter, state)
 
-  def cond(carry):
-    s, n = carry[:2]
-    return (_running(s) > 0) & (n < cfg.max_new)  # each round emits >= 1 token per running row
-
   def body(carry):
-    s, n, acc, rows = carry
+    s, acc, rows = carry
     trees, s = dec.draft(model, drafter, s, strategy)
     s, n_acc = dec.verify(model, s, trees, cfg)
     live = n_acc >= 0
-    return s, n + 1, acc + jnp.where(live, n_acc, 0).sum(), rows + live.sum()
+    return s, acc + jnp.where(live, n_acc, 0).sum(), rows + live.sum()
 
   zero = jnp.int32(0)
-  return jax.lax.while_loop(cond, body, (state, zero, zero, zero))
+  (state, acc, rows), rounds = core.while_running(  # each round emits >= 1 token per running row
+      body, (state, zero, zero), running=lambda c: _running(c[0]), max_steps=cfg.max_new)
+  return state, rounds, acc, rows
 
 
 # ---- jitted entry points (modules split into graphdef + state; the state is donated) ----------

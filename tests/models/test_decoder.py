@@ -12,7 +12,7 @@ import jaxsys.models as M
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.nn import RopeConfig
 from jaxsys.ops import attention
-from jaxsys.serving.kv_cache import KVCache
+from jaxsys.decoding.cache import KVCache
 
 CFG = M.DecoderConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                       num_heads=4, num_kv_heads=2, qkv_bias=True, sliding_window=5,

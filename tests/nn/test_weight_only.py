@@ -15,7 +15,7 @@ from jaxsys.models.decoder import pack_for_decode
 from jaxsys.nn.attention import decode_attention
 from jaxsys.nn.layers import SMALL_M, DecodeWeight, quantize_rows_int8, row_matmul
 from jaxsys.ops import attention, masks
-from jaxsys.serving.kv_cache import KVCache
+from jaxsys.decoding.cache import KVCache
 
 CFG = M.DecoderConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                       num_heads=4, num_kv_heads=2, qkv_bias=True)
@@ -78,7 +78,7 @@ def test_packed_model_logits_vs_float32(models, kind, fmt):
 
 
 def test_packed_float32_generates_the_same_tokens(models):
-  gen = importlib.import_module("jaxsys.serving.generate")
+  gen = importlib.import_module("jaxsys.serving.generation")
   model = models["untied"]
   prompts = [[1, 2, 3, 4, 5], [7, 8]]
   ref = gen.generate(model, prompts, max_new_tokens=6, stop_tokens=())

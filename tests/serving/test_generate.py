@@ -14,9 +14,10 @@ import _hf_utils as U  # noqa: E402
 
 import jaxsys.models as M  # noqa: E402
 from jaxsys.core.errors import ConfigError, InputError  # noqa: E402
-G = importlib.import_module("jaxsys.serving.generate")  # the module (the package exports the function)
+G = importlib.import_module("jaxsys.serving.generation")  # the module (the package exports the function)
 from jaxsys.nn.rope import RopeConfig  # noqa: E402
-from jaxsys.serving.kv_cache import KVCache  # noqa: E402
+from jaxsys.decoding.cache import KVCache  # noqa: E402
+from jaxsys.decoding.sampling import SamplingParams, sample_logits  # noqa: E402
 
 PROMPTS = [[5, 17, 33], [8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41], [60, 2, 7, 7, 90, 3, 21]]
 
@@ -42,7 +43,7 @@ def model():
 
 def test_logprobs_and_hidden_match_full_forward(model):
   res = G.generate(model, PROMPTS[:2], max_new_tokens=6, stop_tokens=(), return_hidden=True,
-                   sampling=G.Sampling(temperature=1.5, seed=3))
+                   sampling=SamplingParams(temperature=1.5, seed=3))
   for p, toks, lp, hid in zip(PROMPTS[:2], res.tokens, res.logprobs, res.hidden):
     seq = jnp.asarray([p + toks])
     out = model(seq, return_hidden=True)
@@ -53,13 +54,13 @@ def test_logprobs_and_hidden_match_full_forward(model):
 
 
 def test_sampling_seeded_topk_and_stops(model):
-  s = G.Sampling(temperature=2.0, top_k=5, top_p=0.9, seed=11)
+  s = SamplingParams(temperature=2.0, top_k=5, top_p=0.9, seed=11)
   a = G.generate(model, PROMPTS, max_new_tokens=12, sampling=s, stop_tokens=())
   b = G.generate(model, PROMPTS, max_new_tokens=12, sampling=s, stop_tokens=())
-  c = G.generate(model, PROMPTS, max_new_tokens=12, sampling=G.Sampling(2.0, seed=12), stop_tokens=())
+  c = G.generate(model, PROMPTS, max_new_tokens=12, sampling=SamplingParams(2.0, seed=12), stop_tokens=())
   assert a.tokens == b.tokens and a.tokens != c.tokens
   greedy = G.generate(model, PROMPTS, max_new_tokens=12, stop_tokens=())
-  top1 = G.generate(model, PROMPTS, max_new_tokens=12, sampling=G.Sampling(top_k=1), stop_tokens=())
+  top1 = G.generate(model, PROMPTS, max_new_tokens=12, sampling=SamplingParams(top_k=1), stop_tokens=())
   assert greedy.tokens == top1.tokens
   stop = greedy.tokens[1][4]
   res = G.generate(model, PROMPTS, max_new_tokens=12, stop_tokens=(stop,))
@@ -70,9 +71,9 @@ def test_sampling_seeded_topk_and_stops(model):
 def test_topk_topp_filtering():
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
   keys = jax.random.split(jax.random.key(0), 400)
-  draw = jax.vmap(lambda k: G.sample_tokens(logits, k, greedy=False, top_p=0.7))(keys)
+  draw = jax.vmap(lambda k: sample_logits(k, logits, greedy=False, top_p=0.7))(keys)
   assert set(np.unique(np.asarray(draw)).tolist()) == {0, 1}
-  draw = jax.vmap(lambda k: G.sample_tokens(logits, k, greedy=False, top_k=3))(keys)
+  draw = jax.vmap(lambda k: sample_logits(k, logits, greedy=False, top_k=3))(keys)
   assert set(np.unique(np.asarray(draw)).tolist()) == {0, 1, 2}
 
 
@@ -82,7 +83,7 @@ def test_bucketed_shapes_do_not_recompile(model):
   G.generate(model, [[4, 5, 6, 7, 8, 9, 10]], max_new_tokens=9)  # same buckets (16, 16)
   assert G.TRACE_COUNTS == before
   G.generate(model, [list(range(4, 24))], max_new_tokens=5)     # prompt bucket 32
-  assert G.TRACE_COUNTS["prefill"] == before["prefill"] + 1
+  assert G.TRACE_COUNTS["decoding.prefill"] == before["decoding.prefill"] + 1
 
 
 def test_decode_step_donates_and_matches(model):
@@ -103,7 +104,7 @@ def test_bad_input(model):
   with pytest.raises(ConfigError, match="max_new_tokens"):
     G.generate(model, [[1]], max_new_tokens=0)
   with pytest.raises(ConfigError, match="temperature"):
-    G.Sampling(temperature=0.0)
+    SamplingParams(temperature=-1.0)
 
 
 def test_prompt_plus_new_tokens_bounded_by_model_context(model):

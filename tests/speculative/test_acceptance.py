@@ -14,7 +14,8 @@ import pytest
 from scipy import stats
 
 from jaxsys.core.errors import ConfigError
-from jaxsys.speculative import acceptance, sampling
+from jaxsys.decoding import sampling
+from jaxsys.speculative import acceptance
 from jaxsys.speculative import tree as tree_lib
 
 V = 5

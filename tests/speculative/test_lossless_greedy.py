@@ -1,6 +1,6 @@
 """Greedy speculative decoding (chain and tree, batch 1 and 8) == vanilla greedy, token for token.
 
-The reference is ``jaxsys.serving.generate`` (the model's own cached decode loop). The drafter is
+The reference is ``jaxsys.serving.generation`` (the model's own cached decode loop). The drafter is
 briefly trained on the target's own greedy continuations so that drafts are partly accepted
 (exercising commit of accepted paths) and partly rejected (exercising rollback).
 """
@@ -14,11 +14,11 @@ from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.models import DecoderConfig
 from jaxsys.models.decoder import random_model
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter
-from jaxsys.serving.generate import generate
+from jaxsys.serving.generation import generate
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
-from jaxsys.speculative.sampling import SamplingParams
+from jaxsys.decoding.sampling import SamplingParams
 
 CFG = DecoderConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2)

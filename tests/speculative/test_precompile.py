@@ -18,7 +18,7 @@ from jaxsys.models.decoder import random_model
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
-from jaxsys.speculative.sampling import SamplingParams
+from jaxsys.decoding.sampling import SamplingParams
 
 CFG = DecoderConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                     num_kv_heads=2)

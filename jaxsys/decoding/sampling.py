@@ -1,16 +1,19 @@
-"""Sampling parameters and the target distribution they define.
+"""The one sampling module: parameters, the distribution they define, and drawing from it.
 
-Lossless speculative sampling must reproduce *the distribution vanilla sampling draws from*,
-so temperature / top-k / top-p are applied to the target logits first (the processed
-distribution ``p``) and acceptance works on ``p``, never on the raw softmax.
+Every sampler in the library (``generate``, the serving engine, the rollout engine, speculative
+acceptance) uses :class:`SamplingParams` with one convention, vLLM's: ``temperature == 0`` is
+greedy, ``top_k == 0`` and ``top_p == 1`` are off. Lossless speculative sampling must reproduce
+*the distribution vanilla sampling draws from*, so temperature / top-k / top-p are applied to the
+target logits first (the processed distribution ``p``) and acceptance works on ``p``.
 
 Usage::
 
-  params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
+  params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=0)
   probs = target_probs(logits, params)          # float32 [..., vocab], rows sum to 1
   token = sample(key, logits, params)           # vanilla sampling from the same distribution
 
-``temperature == 0`` means greedy: ``target_probs`` returns the one-hot of the argmax.
+Inside a compiled loop whose temperature / top-p should not be compile-time constants,
+:func:`sample_logits` takes them as traced values (only ``greedy`` and ``top_k`` are static).
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ from jaxsys.core.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """``temperature`` >= 0 (0: greedy), ``top_k`` >= 0 (0: off), ``top_p`` in (0, 1] (1: off)."""
+  """``temperature`` >= 0 (0: greedy), ``top_k`` >= 0 (0: off), ``top_p`` in (0, 1] (1: off);
+  ``seed`` (an int >= 0) makes a sampled run reproducible."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  seed: int = 0
 
   def __post_init__(self):
     t, k, p = self.temperature, self.top_k, self.top_p
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+      raise ConfigError(f"seed={self.seed!r} must be an int >= 0")
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
       raise ConfigError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
@@ -54,19 +61,24 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def filtered_logits(logits, params: SamplingParams):
   """Temperature-scaled logits with filtered-out tokens at -inf (float32). Not for greedy."""
-  x = logits.astype(jnp.float32) / params.temperature
+  return _filter(logits, params.temperature, params.top_k, params.top_p if params.top_p < 1.0 else None)
+
+
+def _filter(logits, temperature, top_k: int, top_p):
+  """``top_k`` static (0: off); ``temperature`` and ``top_p`` (None: off) may be traced."""
+  x = logits.astype(jnp.float32) / temperature
   vocab = x.shape[-1]
-  if params.top_k and params.top_k < vocab:
-    kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
+  if top_k and top_k < vocab:
+    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
-  if params.top_p < 1.0:
+  if top_p is not None:
     # Keep the smallest prefix of tokens (by probability) whose mass reaches top_p; the token
     # that crosses the threshold is kept (so at least one token always survives).
     order = jnp.argsort(-x, axis=-1)
     sorted_x = jnp.take_along_axis(x, order, axis=-1)
     sorted_p = jax.nn.softmax(sorted_x, axis=-1)
     mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep_sorted = mass_before < params.top_p
+    keep_sorted = mass_before < top_p
     keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
     x = jnp.where(keep, x, -jnp.inf)
   return x
@@ -84,6 +96,14 @@ def sample(key, logits, params: SamplingParams):
   if params.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.random.categorical(key, filtered_logits(logits, params), axis=-1).astype(jnp.int32)
+
+
+def sample_logits(key, logits, *, greedy: bool, temperature=1.0, top_k: int = 0, top_p=None):
+  """:func:`sample` with traced ``temperature`` / ``top_p`` (``top_p=None``: off; ``greedy`` and
+  ``top_k`` static): ``logits float32[..., vocab] -> int32[...]``."""
+  if greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, _filter(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
 
 
 def sample_probs(key, probs):

@@ -1,0 +1,108 @@
+"""The paged KV cache (LServe's retrieval and streaming pools) as caches of the decoding core.
+
+Both views follow the protocol of ``jaxsys.decoding.cache``: ``Decoder.forward_hidden`` runs the
+blocks and each attention layer calls ``view.attend(layer, attn, q, k, v)``, which writes the new
+keys/values into the pools (``paged_cache.write_tokens``) and computes that layer's attention.
+
+* :class:`PagedPrefill`: a chunk of a prompt (``q_offset`` = the chunk's first position). Its
+  attention is the hybrid block-sparse prefill (``prefill.hybrid_attention``: ``Causal`` for
+  retrieval heads, ``Sink | Local`` for streaming heads, one ``MultiHead`` call per layer) over
+  the prompt prefix so far, which is kept in per-layer contiguous buffers ``kbuf``/``vbuf`` when
+  the prompt runs in several chunks (``None`` for a single chunk).
+* :class:`PagedDecode`: one decode token per slot. Retrieval heads read the pages of the
+  hierarchical selector (re-selected or reused, ``numbers``), streaming heads sink + local pages
+  (``lserve.decode_attention``).
+
+Neither view advances lengths: the engine keeps them on the host (``PagedKVCache.seqs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsys.serving import lserve as lserve_lib
+from jaxsys.serving.paged_cache import PagedCacheConfig, write_tokens
+
+_static = dict(metadata=dict(static=True))
+
+
+def _replace_at(items, i, new):
+  return items[:i] + (new,) + items[i + 1:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedPrefill:
+  """One prefill chunk of ``[b, chunk]`` tokens at prompt positions ``q_offset + arange(chunk)``."""
+  state: Any                # the paged pools (``paged_cache.init_state``)
+  block_table: Any          # int32[b, max_pages] retrieval pages per row
+  stream_table: Any         # int32[b, stream_pages] streaming pages per row
+  positions: Any            # int32[b, chunk] absolute positions of the chunk's tokens
+  valid: Any                # bool[b, chunk] token < prompt length (padding is not written)
+  kv_lengths: Any           # int32[b] prompt lengths
+  kbuf: tuple | None        # per layer [b, T, kv_heads, d] prompt keys so far (None: one chunk)
+  vbuf: tuple | None
+  config: PagedCacheConfig = dataclasses.field(**_static)
+  q_offset: int = dataclasses.field(default=0, **_static)
+  retrieval_mask: Any = dataclasses.field(default=None, **_static)
+  impl: str = dataclasses.field(default="auto", **_static)
+
+  lengths = None  # positions are always given
+
+  def attend(self, layer: int, attn, q, k, v):
+    from jaxsys.serving.prefill import hybrid_attention
+    st = write_tokens(self.config, self.state, layer, k, v, self.block_table, self.stream_table,
+                      self.positions, self.valid)
+    new = dataclasses.replace(self, state=st)
+    if self.kbuf is not None:  # keys of the whole prefix so far
+      end = self.q_offset + q.shape[1]
+      kb = jax.lax.dynamic_update_slice_in_dim(self.kbuf[layer], k.astype(self.kbuf[layer].dtype),
+                                               self.q_offset, axis=1)
+      vb = jax.lax.dynamic_update_slice_in_dim(self.vbuf[layer], v.astype(self.vbuf[layer].dtype),
+                                               self.q_offset, axis=1)
+      new = dataclasses.replace(new, kbuf=_replace_at(self.kbuf, layer, kb),
+                                vbuf=_replace_at(self.vbuf, layer, vb))
+      k, v = kb[:, :end], vb[:, :end]
+    o = hybrid_attention(self.config, layer, q, k, v, q_offset=self.q_offset,
+                         kv_lengths=self.kv_lengths, retrieval_mask=self.retrieval_mask,
+                         impl=self.impl)
+    return o, new
+
+  def advance(self, seq: int) -> "PagedPrefill":
+    return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedDecode:
+  """One decode token per slot at ``positions int32[slots]``; ``active bool[slots]``."""
+  state: Any
+  block_table: Any          # int32[slots, max_pages]
+  stream_table: Any         # int32[slots, stream_pages]
+  positions: Any            # int32[slots] position of the token (= tokens already cached)
+  active: Any               # bool[slots]
+  numbers: tuple            # per layer: retrieval page selection [slots, r_l, K] or None
+  config: PagedCacheConfig = dataclasses.field(**_static)
+  selection: Any = dataclasses.field(default=None, **_static)  # page_select.SelectionConfig
+  reselect: bool = dataclasses.field(default=True, **_static)
+  impl: str = dataclasses.field(default="auto", **_static)
+
+  lengths = None
+
+  def attend(self, layer: int, attn, q, k, v):
+    c = self.config
+    st = write_tokens(c, self.state, layer, k, v, self.block_table, self.stream_table,
+                      self.positions[:, None], self.active[:, None])
+    lengths = jnp.where(self.active, self.positions + 1, 0)
+    o, nums = lserve_lib.decode_attention(c, self.selection, st, layer, q[:, 0], self.block_table,
+                                          self.stream_table, lengths, self.numbers[layer],
+                                          reselect=self.reselect, impl=self.impl)
+    return o[:, None], dataclasses.replace(self, state=st,
+                                           numbers=_replace_at(self.numbers, layer, nums))
+
+  def advance(self, seq: int) -> "PagedDecode":
+    return self
