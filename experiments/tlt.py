@@ -61,6 +61,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   import jax
   from flax import nnx
 
+  from jaxsys.core.bench import compile_count, watch_compiles
   from jaxsys.data import synthetic
   from jaxsys.models import load_tiny_lm
   from jaxsys.models.drafter import DrafterConfig, EagleDrafter
@@ -69,7 +70,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   from jaxsys.speculative.bandit import Strategy
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
   from jaxsys.speculative.pool import ExecutablePool
-  from jaxsys.speculative.sampling import SamplingParams
+  from jaxsys.decoding.sampling import SamplingParams
 
   cfg = _config(quick)
   out = run_dir(NAME, out_dir)
@@ -178,19 +179,17 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   van_engine.precompile()
   tlt.precompile()  # the policy update at every minibatch width (length-grouped minibatches)
   van.precompile()
-  compiles: list[int] = []  # backend compilations during each GRPO step pair
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, dur, **kw: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
+  watch_compiles()  # backend compilations during each GRPO step (bench.compile_count)
   eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(9))]
   frozen_eval = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
   online_eval = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
   hist = {"tlt": [], "vanilla": [], "acc_frozen": [], "acc_online": []}
   for step in range(cfg["grpo_steps"]):
     for name, tr in (("vanilla", van), ("tlt", tlt)):  # interleaved: same machine load
-      n0 = len(compiles)
+      n0 = compile_count()
       m = tr.step()
       m.pop("responses")
-      m["compilations"] = len(compiles) - n0
+      m["compilations"] = compile_count() - n0
       hist[name].append(m)
     frozen_eval.set_weights(tlt.policy)
     online_eval.set_weights(tlt.policy)
