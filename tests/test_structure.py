@@ -5,6 +5,8 @@
   else calls ``Decoder.forward_hidden`` (or the model's own methods).
 * Public class names are unique across ``jaxsys/`` and ``pallas_kernels/``, so a name says which
   class it is without its module.
+* No package exports a function or class under the name of one of its submodules (the attribute
+  would be the function on one access and the module after an import).
 
 Each test lists every offending ``file:line``.
 """
@@ -59,6 +61,57 @@ def public_classes(tree: ast.AST) -> list[tuple[str, int]]:
           if isinstance(n, ast.ClassDef) and not n.name.startswith("_")]
 
 
+def _defines(tree: ast.AST, name: str) -> bool:
+  """Whether a module binds ``name`` at top level (def, class, assignment or import)."""
+  for node in tree.body:
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    if isinstance(node, defs) and node.name == name:
+      return True
+    if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+        (a.asname or a.name) == name for a in node.names):
+      return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+        return True
+  return False
+
+
+def _lazy_tables(tree: ast.AST):
+  """``{name: submodule}`` literals passed to ``lazy_exports(__name__, {...})``."""
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports"
+        and len(node.args) == 2 and isinstance(node.args[1], ast.Dict)):
+      for k, v in zip(node.args[1].keys, node.args[1].values):
+        if isinstance(k, ast.Constant) and isinstance(v, ast.Constant):
+          yield k.lineno, k.value, v.value
+
+
+def shadowed_submodules(package_dir: pathlib.Path, root: pathlib.Path = ROOT):
+  """``[(line, name)]`` where ``package/__init__.py`` exports a non-module under a submodule's
+  name."""
+  init = package_dir / "__init__.py"
+  subs = {p.stem for p in package_dir.glob("*.py") if p.stem != "__init__"}
+  subs |= {d.name for d in package_dir.iterdir() if (d / "__init__.py").is_file()}
+  pkg = package_dir.relative_to(root).as_posix().replace("/", ".")
+  tree = ast.parse(init.read_text())
+  found = []
+  for node in tree.body:
+    if isinstance(node, ast.ImportFrom):
+      for a in node.names:
+        bound = a.asname or a.name
+        is_the_module = node.module == pkg and a.name == bound  # ``from pkg import sub``
+        if bound in subs and not is_the_module:
+          found.append((node.lineno, bound))
+    elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in subs:
+      found.append((node.lineno, node.name))
+  for line, name, module in _lazy_tables(tree):
+    path = package_dir / (module.replace(".", "/") + ".py")
+    if name in subs and path.is_file() and _defines(ast.parse(path.read_text()), name):
+      found.append((line, name))
+  return sorted(found)
+
+
 def test_detectors_see_what_they_look_for():
   src = ast.parse(
       "for i, layer in enumerate(model.layers):\n"
@@ -76,6 +129,23 @@ def test_detectors_see_what_they_look_for():
   assert public_classes(src) == [("A", 10)]
 
 
+def test_shadow_detector(tmp_path):
+  pkg = tmp_path / "p"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "sub" / "__init__.py").write_text("")
+  (pkg / "api.py").write_text("def sub(): pass\ndef gen(): pass\n")
+  (pkg / "gen.py").write_text("def gen(): pass\n")
+  (pkg / "other.py").write_text("")
+  (pkg / "__init__.py").write_text(
+      "from p import other\n"                  # the module itself: fine
+      "from p.api import sub\n"                # a function over the subpackage
+      "__getattr__, __dir__ = lazy_exports(__name__, {\n"
+      "  'gen': 'gen',\n"                       # function gen in module gen
+      "  'other': 'other',\n"                   # module listed by name: fine
+      "})\n")
+  assert shadowed_submodules(pkg, root=tmp_path) == [(2, "sub"), (4, "gen")]
+
+
 def test_decoder_block_is_only_written_in_models_and_nn():
   offenders = [f"{rel}:{line}: {what}"
                for rel, tree in _sources("jaxsys") if not rel.startswith(BLOCK_OWNERS)
@@ -83,6 +153,16 @@ def test_decoder_block_is_only_written_in_models_and_nn():
   assert not offenders, (
       "the decoder block is re-implemented outside jaxsys/models and jaxsys/nn (call "
       "Decoder.forward_hidden instead):\n  " + "\n  ".join(offenders))
+
+
+def test_no_export_shadows_a_submodule():
+  offenders = []
+  for package in PACKAGES:
+    for init in sorted((ROOT / package).rglob("__init__.py")):
+      rel = init.relative_to(ROOT).as_posix()
+      offenders += [f"{rel}:{line}: {name!r} is a submodule and an exported function/class"
+                    for line, name in shadowed_submodules(init.parent)]
+  assert not offenders, ("rename the module or the export:\n  " + "\n  ".join(offenders))
 
 
 def test_public_class_names_are_unique():
