@@ -51,12 +51,12 @@ def _config(quick: bool) -> dict:
 
 def _train_gcn(ds, quant, seed, epochs, init_bits=None, degree_bits=None, degree_weight=0.0):
   from flax import nnx
-  from jaxsys.models.gnn import GNN, GNNConfig, NodeData, TrainConfig, train_node_classifier
+  from jaxsys.models.gnn import GNN, GNNConfig, GNNTrainConfig, NodeData, train_gnn
   cfg = GNNConfig(ds.num_features, ds.num_classes, kind="gcn", hidden=16, dropout=0.5,
                   quant=quant)
   model = GNN(cfg, ds.num_nodes, rngs=nnx.Rngs(seed), init_bits=init_bits)
   data = NodeData.from_dataset(ds, "gcn")
-  res = train_node_classifier(model, data, TrainConfig(
+  res = train_gnn(model, data, GNNTrainConfig(
       epochs=epochs, degree_bits=degree_bits, degree_weight=degree_weight), seed=seed)
   res["data"] = data
   return res

@@ -56,7 +56,7 @@ def _settings(quick: bool) -> dict:
 def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
   """GT hyperparameters follow GAT's Cora recipe; choices made on validation accuracy only."""
   from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
-                                               laplacian_pe, train_node_classifier)
+                                               laplacian_pe, train_graph_transformer)
   ds = G.load_planetoid("cora", row_normalize=True)
   inputs = graph_inputs(ds.graph)  # adds one self loop per node, as GAT/GCN use
   x = jnp.asarray(ds.features)
@@ -91,9 +91,9 @@ def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
         kw["dense_schedule"] = cfg.is_dense_step
       if name == "gt_dense":
         inp, kw["steps"] = jnp.concatenate([x, pe], 1), s["dense_steps"]
-      res = train_node_classifier(model, inp, inputs, ds, **kw)
-      accs.append(100 * res["test_at_best_val"])
-      vals.append(100 * res["best_val"])
+      res = train_graph_transformer(model, inp, inputs, ds, **kw)
+      accs.append(100 * res["test_acc"])
+      vals.append(100 * res["val_acc"])
       times.append(res["step_ms"])
       if name == "gt_dual":
         gates.append([float(jnp.tanh(layer.gate[...])) for layer in model.layers])
@@ -238,8 +238,10 @@ def community_sweep(s: dict) -> tuple[list[Row], dict]:
 
 def train_large(s: dict) -> tuple[list[Row], dict]:
   """A few GT training steps (topology attention, 1 layer) on the largest synthetic graph."""
-  from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
   import optax
+
+  from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
+  from jaxsys.train import make_train_step
   n = s["train_nodes"]
   ds = G.sbm_graph(n, avg_degree=10, seed=1)
   ds_r, _ = G.cluster_reorder(ds, max(2, n // 128), seed=1)
@@ -248,23 +250,22 @@ def train_large(s: dict) -> tuple[list[Row], dict]:
                                num_layers=1, dropout=0.0, input_dropout=0.0,
                                attention="sparse", topology="reformed")
   model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optax.adam(1e-2)
+  opt_state = tx.init(params)
   x, labels = jnp.asarray(ds_r.features), jnp.asarray(ds_r.labels)
   mask = jnp.asarray(ds_r.train_mask | ds_r.val_mask)
 
-  @nnx.jit
-  def step(model, opt, x, inputs, labels, mask):
-    def loss_fn(model):
-      ce = optax.softmax_cross_entropy_with_integer_labels(model(x, inputs), labels)
-      return jnp.sum(ce * mask) / jnp.sum(mask)
-    loss, g = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, g)
-    return loss
+  def loss_fn(model, x, inputs, labels, mask):
+    ce = optax.softmax_cross_entropy_with_integer_labels(model(x, inputs), labels)
+    return jnp.sum(ce * mask) / jnp.sum(mask)
 
+  step = make_train_step(loss_fn, tx, graphdef=graphdef)
   losses, times = [], []
   for _ in range(4):
     t0 = time.perf_counter()
-    losses.append(float(step(model, opt, x, inputs, labels, mask)))
+    params, opt_state, loss, _, rest = step(params, opt_state, rest, x, inputs, labels, mask)
+    losses.append(float(loss))
     times.append(time.perf_counter() - t0)
   ms = 1e3 * float(np.median(times[1:]))
   rows = [Row(f"GT training step @{n // 1000}K nodes (reformed topology attention)", "ms", ours=ms,

@@ -3,6 +3,9 @@
 * :func:`causal_lm_loss`: next-token cross-entropy with an optional loss mask (answer tokens
   only, padding excluded), returned as (sum, count) so gradient accumulation is exact.
 * :func:`make_optimizer`: AdamW with linear warm-up + cosine decay and global-norm clipping.
+* :func:`make_train_step`: one jitted optax step on a loss, for pure parameters or an NNX model
+  (the building block of the task-specific loops: GNNs, graph transformer, PalQuant, drafter,
+  policy warm-up); :func:`apply_optax` is its optax part alone.
 * :func:`train`: runs ``cfg.total_steps`` steps of ``train_step``; the batch for step ``s`` is
   ``batches(s)`` (a pure function of the step, so a resumed run sees the same data). With
   ``cfg.accum_steps = A`` each batch is split into A micro-batches whose gradients are summed in
@@ -176,8 +179,64 @@ def init_health(step: int) -> dict:
           "bad_loss": jnp.float32(0), "bad_grad_norm": jnp.float32(0)}
 
 
-def make_train_step(graphdef, template, tx, loss_fn, accum: int, on_nonfinite: str = "raise"):
-  """``(params, opt_state, rest, batch, health) -> (params, opt_state, metrics, health)``,
+def apply_optax(tx: optax.GradientTransformation, grads, opt_state, params):
+  """The optax part of every step: ``(params, opt_state)`` after one update of ``tx``."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, graphdef=None,
+                    has_aux: bool = False, jit: bool = True, static_argnums: tuple[int, ...] = (),
+                    donate: bool = False) -> Callable:
+  """One optax step on ``loss_fn``: the shared building block of the library's training loops.
+
+  Pure parameters (``graphdef=None``): ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``
+  with ``has_aux``) and ``step(params, opt_state, *args) -> (params, opt_state, loss, aux)``.
+
+  NNX model (``graphdef`` from ``nnx.split(model, nnx.Param, ...)``): ``loss_fn(model, *args)``
+  on ``model = nnx.merge(graphdef, params, rest)`` and
+  ``step(params, opt_state, rest, *args) -> (params, opt_state, loss, aux, rest)``: gradients
+  are taken w.r.t. the ``nnx.Param`` state only, and the returned ``rest`` is the model's
+  non-parameter state after the forward pass (advanced RNG counters, ...); pass it back in to
+  carry it, or pass the old one to reuse it.
+
+  ``aux`` is None without ``has_aux``. ``static_argnums`` index ``args``; ``jit=False`` returns
+  the plain function (to call inside another traced program, e.g. a ``lax.scan`` body);
+  ``donate`` donates ``params`` and ``opt_state`` to the jitted step.
+  """
+  if graphdef is None:
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def step(params, opt_state, *args):
+      out, grads = grad_fn(params, *args)
+      loss, aux = out if has_aux else (out, None)
+      params, opt_state = apply_optax(tx, grads, opt_state, params)
+      return params, opt_state, loss, aux
+    offset = 2
+  else:
+    def model_loss(params, rest, *args):
+      # Fresh Variables at this trace level: the forward may update them (RNG counters).
+      model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
+      out = loss_fn(model, *args)
+      loss, aux = out if has_aux else (out, None)
+      return loss, (aux, nnx.split(model, nnx.Param, ...)[2])
+
+    grad_fn = jax.value_and_grad(model_loss, has_aux=True)
+
+    def step(params, opt_state, rest, *args):
+      (loss, (aux, rest)), grads = grad_fn(params, rest, *args)
+      params, opt_state = apply_optax(tx, grads, opt_state, params)
+      return params, opt_state, loss, aux, rest
+    offset = 3
+  if not jit:
+    return step
+  return jax.jit(step, static_argnums=tuple(offset + i for i in static_argnums),
+                 donate_argnums=(0, 1) if donate else ())
+
+
+def make_loop_step(graphdef, template, tx, loss_fn, accum: int, on_nonfinite: str = "raise"):
+  """:func:`train`'s step, with gradient accumulation and the finiteness guard:
+  ``(params, opt_state, rest, batch, health) -> (params, opt_state, metrics, health)``,
   jitted with donation; ``rest`` is the model's non-parameter state (passed through unchanged),
   ``health`` is :func:`init_health`'s dict. An update whose loss, gradient norm or new
   parameters are not finite is not applied; with ``on_nonfinite="raise"`` none is applied after
@@ -206,8 +265,7 @@ def make_train_step(graphdef, template, tx, loss_fn, accum: int, on_nonfinite: s
     (gsum, lsum, csum, msum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0, m0), micro)
     denom = jnp.maximum(csum, 1.0)
     grads = jax.tree.map(lambda g: g / denom, gsum)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    new_params, new_opt_state = apply_optax(tx, grads, opt_state, params)
     loss, grad_norm = lsum / denom, optax.global_norm(grads)
     metrics = {"loss": loss, "tokens": csum, "grad_norm": grad_norm}
     metrics.update({k: v / denom for k, v in msum.items()})
@@ -240,8 +298,8 @@ def _cached_step(graphdef, template, cfg: TrainConfig, loss_fn):
   if key not in _STEP_CACHE:
     if len(_STEP_CACHE) > 16:
       _STEP_CACHE.clear()
-    _STEP_CACHE[key] = make_train_step(graphdef, template, make_optimizer(cfg), loss_fn,
-                                       cfg.accum_steps, cfg.on_nonfinite)
+    _STEP_CACHE[key] = make_loop_step(graphdef, template, make_optimizer(cfg), loss_fn,
+                                      cfg.accum_steps, cfg.on_nonfinite)
   return _STEP_CACHE[key]
 
 

@@ -2,15 +2,17 @@
 
 ``GNN(cfg, num_nodes, rngs=...)`` stacks ``jaxsys.nn.quantized`` layers; with ``cfg.quant`` set
 every layer quantizes its input features (per node or NNS) and its weights (per channel).
-``train_node_classifier`` trains with Adam (separate learning rates for weights, A2Q steps and
-A2Q bits), adds A2Q's memory penalty, and keeps the parameters of the best validation epoch.
+``train_gnn`` trains with Adam (separate learning rates for weights, A2Q steps and A2Q bits),
+adds A2Q's memory penalty, and keeps the parameters of the best validation epoch. Its result
+has the keys of ``graph_transformer.train_graph_transformer`` (``val_acc``, ``test_acc``,
+``best_step``, ``losses``) plus ``avg_bits``, ``model`` and ``history``.
 
 Usage::
 
   cfg = GNNConfig(kind="gcn", in_features=F, num_classes=C, quant=A2QConfig(target_bits=2))
   model = GNN(cfg, num_nodes=N, rngs=nnx.Rngs(0))
   data = NodeData.from_dataset(ds, cfg.kind)
-  result = train_node_classifier(model, data, TrainConfig(epochs=200), seed=0)
+  result = train_gnn(model, data, GNNTrainConfig(epochs=200), seed=0)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, GATConv, GCNConv, 
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant import a2q
 from jaxsys.quant.random import hash_dropout
+from jaxsys.train import make_train_step
 
 KINDS = ("gcn", "gin", "gat")
 
@@ -179,7 +182,7 @@ class NodeData:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class GNNTrainConfig:
   epochs: int = 200
   lr: float = 0.01
   weight_decay: float = 5e-4
@@ -210,8 +213,13 @@ def masked_accuracy(logits, labels, mask):
   return jnp.sum(hit) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def train_node_classifier(model: GNN, data: NodeData, cfg: TrainConfig, seed: int = 0) -> dict:
-  """Full-batch training; returns best-validation accuracies, bits and the selected model."""
+def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) -> dict:
+  """Full-batch training; returns best-validation accuracies, bits and the selected model.
+
+  ``val_acc``: the best validation accuracy (first epoch reaching it, ``best_step``);
+  ``test_acc``/``avg_bits``/``model``: at that epoch; ``losses``: training loss per epoch;
+  ``history``: ``(loss, train_acc, val_acc, test_acc, avg_bits)`` per epoch.
+  """
   if data.x.shape[1] != model.cfg.in_features:
     raise ShapeError(f"features have {data.x.shape[1]} columns, model expects "
                      f"{model.cfg.in_features}")
@@ -226,8 +234,8 @@ def train_node_classifier(model: GNN, data: NodeData, cfg: TrainConfig, seed: in
   opt_state = tx.init(params)
   train_mask = data.train_mask
 
-  def loss_fn(p, seed):
-    logits, info = nnx.merge(graphdef, p, rest)(data.x, data.edges, train=True, seed=seed)
+  def loss_fn(model, seed):
+    logits, info = model(data.x, data.edges, train=True, seed=seed)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, data.labels)
     loss = jnp.sum(jnp.where(train_mask, ce, 0.0)) / jnp.sum(train_mask)
     if quant is not None and quant.target_bits is not None and info:
@@ -238,11 +246,7 @@ def train_node_classifier(model: GNN, data: NodeData, cfg: TrainConfig, seed: in
           degree_regularizer(b, db) for (b, _), db in zip(info, cfg.degree_bits) if db is not None)
     return loss
 
-  @jax.jit
-  def step(p, o, seed):
-    loss, g = jax.value_and_grad(loss_fn)(p, seed)
-    upd, o = tx.update(g, o, p)
-    return optax.apply_updates(p, upd), o, loss
+  step = make_train_step(loss_fn, tx, graphdef=graphdef)
 
   @jax.jit
   def evaluate(p):
@@ -252,15 +256,17 @@ def train_node_classifier(model: GNN, data: NodeData, cfg: TrainConfig, seed: in
     avg = a2q.average_bits(info) if info else jnp.float32(32.0)
     return jnp.stack(accs), avg
 
-  best = (-1.0, None, None, None)
+  best = (-1.0, None, None, None, -1)
   history = []
   for epoch in range(cfg.epochs):
-    params, opt_state, loss = step(params, opt_state, jnp.uint32(seed * 100003 + epoch))
+    params, opt_state, loss, _, _ = step(params, opt_state, rest,
+                                         jnp.uint32(seed * 100003 + epoch))
     accs, avg = evaluate(params)
     accs = np.asarray(accs)
     history.append((float(loss), *map(float, accs), float(avg)))
     if accs[1] > best[0]:
-      best = (float(accs[1]), float(accs[2]), jax.tree.map(lambda a: a, params), float(avg))
+      best = (float(accs[1]), float(accs[2]), jax.tree.map(lambda a: a, params), float(avg), epoch)
   final = nnx.merge(graphdef, best[2], rest)
-  return {"val_acc": best[0], "test_acc": best[1], "avg_bits": best[3], "model": final,
+  return {"val_acc": best[0], "test_acc": best[1], "best_step": best[4],
+          "losses": [h[0] for h in history], "avg_bits": best[3], "model": final,
           "history": history}

@@ -41,6 +41,7 @@ from jaxsys.core.mesh import place, program_mesh
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
 from jaxsys.quant.random import hash_dropout
+from jaxsys.train import apply_optax, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +274,8 @@ def reference_step(params, opt_state, x, senders, receivers, labels, mask, seed,
   def loss_fn(p):
     logits = reference_logits(p, x, senders, receivers, seed, dropout, True)
     return masked_ce(logits, labels, mask) / jnp.sum(mask)
-  loss, g = jax.value_and_grad(loss_fn)(params)
-  upd, opt_state = tx.update(g, opt_state, params)
-  return optax.apply_updates(params, upd), opt_state, loss
+  params, opt_state, loss, _ = make_train_step(loss_fn, tx, jit=False)(params, opt_state)
+  return params, opt_state, loss
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -398,9 +398,9 @@ class SylvieTrainer:
         out_specs=(rep, rep, [shard] * len(state["halo"]), [shard] * len(state["grad"])),
         check_vma=False)
     loss, g, halo, grad = fn(params, data, halo, grad, place(seed, rep, mesh))
-    upd, opt = self.tx.update(g, state["opt"], params)
-    return {"params": optax.apply_updates(params, upd), "opt": opt, "halo": halo,
-            "grad": grad}, loss
+    # Gradients are psum-ed inside the shard_map program; the update runs replicated.
+    params, opt = apply_optax(self.tx, g, state["opt"], params)
+    return {"params": params, "opt": opt, "halo": halo, "grad": grad}, loss
 
   def step(self, state, epoch: int):
     return self._step(state, jnp.uint32(epoch))

@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.train import make_train_step
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -196,14 +197,10 @@ def train_digits(cfg: PalQuantConfig, *, seed: int = 0, epochs: int = 30, batch:
   tx = optax.adam(optax.cosine_decay_schedule(lr, epochs * (len(xtr) // batch)))
   opt = tx.init(params)
 
-  @jax.jit
-  def step(p, o, xb, yb):
-    def loss_fn(p):
-      logits = nnx.merge(graphdef, p, rest)(xb)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-    loss, g = jax.value_and_grad(loss_fn)(p)
-    upd, o = tx.update(g, o, p)
-    return optax.apply_updates(p, upd), o, loss
+  def loss_fn(model, xb, yb):  # xb [batch, 8, 8, 1], yb int[batch]
+    return optax.softmax_cross_entropy_with_integer_labels(model(xb), yb).mean()
+
+  step = make_train_step(loss_fn, tx, graphdef=graphdef)
 
   @jax.jit
   def predict(p, xb):
@@ -214,7 +211,7 @@ def train_digits(cfg: PalQuantConfig, *, seed: int = 0, epochs: int = 30, batch:
     perm = rng.permutation(len(xtr))
     for i in range(len(xtr) // batch):
       idx = perm[i * batch:(i + 1) * batch]
-      params, opt, loss = step(params, opt, jnp.asarray(xtr[idx]), jnp.asarray(ytr[idx]))
+      params, opt, loss, _, _ = step(params, opt, rest, jnp.asarray(xtr[idx]), jnp.asarray(ytr[idx]))
   acc = float(np.mean(np.asarray(predict(params, jnp.asarray(xte))) == yte))
   return {"test_acc": acc, "final_loss": float(loss), "bitops": bitops(cfg)}
 

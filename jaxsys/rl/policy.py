@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -23,6 +22,7 @@ from flax import nnx
 from jaxsys.models import DecoderConfig
 from jaxsys.models.decoder import Decoder
 from jaxsys.rl import tasks as tasks_lib
+from jaxsys.train import make_train_step
 
 
 def policy_config(hidden: int = 64, layers: int = 4) -> DecoderConfig:
@@ -43,21 +43,17 @@ def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, ba
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr * 0.1))
   opt = tx.init(params)
 
-  @jax.jit
-  def step(params, opt, tokens, mask):
-    def loss_fn(p):
-      logits = nnx.merge(gdef, p, rest)(tokens)[:, :-1]
-      nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-      return (nll * mask[:, :-1]).sum() / mask[:, :-1].sum()
-    loss, g = jax.value_and_grad(loss_fn)(params)
-    upd, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, upd), opt, loss
+  def loss_fn(model, tokens, mask):  # tokens, mask [batch, seq_len]; mask 1 on answer tokens
+    logits = model(tokens)[:, :-1]
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return (nll * mask[:, :-1]).sum() / mask[:, :-1].sum()
 
+  step = make_train_step(loss_fn, tx, graphdef=gdef)
   rng = np.random.default_rng(seed)
   loss = np.nan
   for _ in range(steps):
     tokens, mask = tasks_lib.sft_batch(sampler.sample(batch, rng), seq_len)
-    params, opt, loss = step(params, opt, jnp.asarray(tokens), jnp.asarray(mask))
+    params, opt, loss, _, _ = step(params, opt, rest, jnp.asarray(tokens), jnp.asarray(mask))
   return nnx.merge(gdef, params, rest), float(loss)
 
 

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
+from jaxsys.train import make_train_step
 
 
 class DrafterBuffer:
@@ -82,7 +83,13 @@ class DrafterTrainer:
     self.opt_state = self.tx.init(self.params)
     self.batch, self.seq_len = batch, seq_len
     self.steps_done = 0
-    self._step = jax.jit(self._train_step, static_argnums=(0, 1))
+
+    def loss_fn(drafter, tgdef, tstate, tokens, feats, mask):  # -> (loss, metrics)
+      return drafter_loss(drafter, nnx.merge(tgdef, tstate), tokens, feats, mask)
+
+    # The target's graphdef is static (one executable per target structure).
+    self._update = make_train_step(loss_fn, self.tx, graphdef=self.gdef, has_aux=True,
+                                   static_argnums=(0,))
 
   @property
   def drafter(self) -> EagleDrafter:
@@ -93,28 +100,16 @@ class DrafterTrainer:
     """The full drafter state (what ``RolloutEngine.set_drafter`` takes)."""
     return nnx.split(self.drafter)[1]
 
-  def _train_step(self, gdef, tgdef, params, rest, opt_state, tstate, tokens, feats, mask):
-    target = nnx.merge(tgdef, tstate)
-
-    def loss_fn(p):
-      d = nnx.merge(gdef, p, rest)
-      return drafter_loss(d, target, tokens, feats, mask)
-
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(metrics, loss=loss)
-
   def step(self, target, tokens, feats, mask):
     if not getattr(self, "_checked", False):
       check_compatible(self.drafter, target)
       self._checked = True
     tgdef, tstate = nnx.split(target)
-    self.params, self.opt_state, m = self._step(self.gdef, tgdef, self.params, self.rest, self.opt_state,
-                                                tstate, jnp.asarray(tokens), jnp.asarray(feats),
-                                                jnp.asarray(mask))
+    self.params, self.opt_state, loss, metrics, _ = self._update(
+        self.params, self.opt_state, self.rest, tgdef, tstate, jnp.asarray(tokens),
+        jnp.asarray(feats), jnp.asarray(mask))
     self.steps_done += 1
-    return m
+    return dict(metrics, loss=loss)
 
   def warm_up(self, target, buffer: DrafterBuffer):
     """Compiles the train step (one step on a buffer sample, then the old parameters, optimizer

@@ -6,8 +6,8 @@ from flax import nnx
 
 from jaxsys import graphs
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models.gnn import (GNN, GNNConfig, NodeData, TrainConfig, compression_ratio,
-                               feature_quantizers, train_node_classifier)
+from jaxsys.models.gnn import (GNN, GNNConfig, GNNTrainConfig, NodeData, compression_ratio,
+                               feature_quantizers, train_gnn)
 from jaxsys.nn.quantized import A2QConfig
 from jaxsys.ops import quantized_aggregate
 from jaxsys.quant import a2q
@@ -55,7 +55,7 @@ def test_training_learns_and_respects_budget(ds):
   cfg = GNNConfig(12, 4, hidden=16, dropout=0.0, quant=A2QConfig(target_bits=3.0, penalty=1.0))
   model = GNN(cfg, ds.num_nodes, rngs=nnx.Rngs(0), init_bits=[deg_bits, None])
   np.testing.assert_array_equal(np.asarray(feature_quantizers(model)[0].bits[...])[:, 0], deg_bits)
-  res = train_node_classifier(model, data, TrainConfig(epochs=30, lr=0.02), seed=0)
+  res = train_gnn(model, data, GNNTrainConfig(epochs=30, lr=0.02), seed=0)
   losses = [h[0] for h in res["history"]]
   assert losses[-1] < losses[0]
   assert res["history"][-1][1] > 0.5  # train accuracy, 4 classes

@@ -11,7 +11,7 @@ from jaxsys import graphs as G
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
                                              _sparse_attention_dropout, add_virtual_node,
-                                             laplacian_pe, train_node_classifier)
+                                             laplacian_pe, train_graph_transformer)
 from jaxsys.ops.graph_attn import graph_attention
 from jaxsys.nn.graph import graph_inputs
 
@@ -98,12 +98,12 @@ def test_training_learns_and_virtual_node(ds):
   cfg = GraphTransformerConfig(8, 3, hidden=16, num_heads=2, num_layers=1, dropout=0.1,
                                input_dropout=0.1, attention="dual", dense_every_steps=2)
   model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
-  res = train_node_classifier(model, jnp.asarray(dsv.features), graph_inputs(dsv.graph), dsv,
-                              steps=30, lr=1e-2, dense_schedule=cfg.is_dense_step, eval_every=10)
+  res = train_graph_transformer(model, jnp.asarray(dsv.features), graph_inputs(dsv.graph), dsv,
+                                steps=30, lr=1e-2, dense_schedule=cfg.is_dense_step, eval_every=10)
   assert res["losses"][-1] < 0.5 * res["losses"][0]
   gcn = GCN(8, 16, 3, rngs=nnx.Rngs(0))
-  res = train_node_classifier(gcn, jnp.asarray(ds.features), graph_inputs(ds.graph), ds,
-                              steps=30, lr=1e-2, eval_every=10)
+  res = train_graph_transformer(gcn, jnp.asarray(ds.features), graph_inputs(ds.graph), ds,
+                                steps=30, lr=1e-2, eval_every=10)
   assert res["losses"][-1] < 0.6 * res["losses"][0]
 
 
@@ -216,8 +216,8 @@ def test_gat_stack_matches_reference_and_trains(ds):
   cfg = GraphTransformerConfig(8, 3, hidden=16, num_heads=4, dropout=0.3, input_dropout=0.3,
                                attn_dropout=0.3, ffn=False, degree_encoding=False, embed=False,
                                attention="sparse")
-  res = train_node_classifier(GraphTransformer(cfg, rngs=nnx.Rngs(0)), x, inputs, ds, steps=30,
-                              lr=1e-2, eval_every=10)
+  res = train_graph_transformer(GraphTransformer(cfg, rngs=nnx.Rngs(0)), x, inputs, ds, steps=30,
+                                lr=1e-2, eval_every=10)
   assert res["losses"][-1] < 0.6 * res["losses"][0]
   assert len(res["test_curve"]) == len(res["val_curve"]) == 3
 
