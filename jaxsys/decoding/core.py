@@ -23,6 +23,7 @@ counts its traces in ``jaxsys.core.bench.TRACE_COUNTS`` (``"decoding.prefill"`` 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from jaxsys.core.bench import count_trace
 from jaxsys.core.errors import ConfigError, InputError  # noqa: F401  (re-used by the layers above)
@@ -189,8 +191,36 @@ def while_running(body: Callable, state, *, running: Callable, max_steps: int, m
   return jax.lax.while_loop(cond, loop_body, (state, jnp.int32(0)))
 
 
+_STREAM: list = []  # the active on_token callbacks (innermost last), see streaming()
+
+
+@contextlib.contextmanager
+def streaming(on_token):
+  """While active, a loop compiled with ``stream=True`` hands each step's tokens to ``on_token``.
+
+  The compiled loop calls one fixed host function (so every streaming call shares one
+  executable); that function forwards to the callback installed here."""
+  if on_token is None:
+    yield
+    return
+  _STREAM.append(on_token)
+  try:
+    yield
+  finally:
+    _STREAM.pop()
+
+
+def _stream_sink(step, tokens):
+  if _STREAM:
+    _STREAM[-1](int(step), np.asarray(tokens))
+
+
+def _stream(step, tokens):
+  io_callback(_stream_sink, None, step, tokens, ordered=True)
+
+
 def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: int,
-                use_top_p: bool, num_steps: int, with_hidden: bool):
+                use_top_p: bool, num_steps: int, with_hidden: bool, stream: bool = False):
   """Samples up to ``num_steps`` (static bucket) tokens per row, stopping at ``params['max_new']``
   or when every row hit one of ``params['stops']``; one :func:`step` per token.
 
@@ -210,6 +240,8 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
     return tok, logp
 
   tok0, logp0 = pick(logits0, 0)
+  if stream:
+    _stream(jnp.int32(0), tok0)
   out_tok = jnp.zeros((b, num_steps), jnp.int32).at[:, 0].set(tok0)
   out_logp = jnp.zeros((b, num_steps), jnp.float32).at[:, 0].set(logp0)
   out_h = None
@@ -222,6 +254,8 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
     i, cache, tok, done, n_done, out_tok, out_logp, out_h = c
     logits, h, cache = step(model, cache, tok[:, None])
     nxt, logp = pick(logits[:, 0], i)
+    if stream:  # rows already done still step; the host keeps each row to its count
+      _stream(i, nxt)
     out_tok = out_tok.at[:, i].set(nxt)
     out_logp = out_logp.at[:, i].set(logp)
     if out_h is not None:
@@ -247,12 +281,14 @@ def jit_prefill(graphdef, state, tokens, lengths, cache, with_hidden):
   return prefill(nnx.merge(graphdef, state), tokens, lengths, cache, with_hidden)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8), donate_argnums=(2,))
-def jit_decode_loop(graphdef, state, cache, logits0, hidden0, params, mode, num_steps, with_hidden):
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9), donate_argnums=(2,))
+def jit_decode_loop(graphdef, state, cache, logits0, hidden0, params, mode, num_steps, with_hidden,
+                    stream=False):
   count_trace("decoding.decode")
   greedy, top_k, use_top_p = mode
   return decode_loop(nnx.merge(graphdef, state), cache, logits0, hidden0, params, greedy=greedy,
-                     top_k=top_k, use_top_p=use_top_p, num_steps=num_steps, with_hidden=with_hidden)
+                     top_k=top_k, use_top_p=use_top_p, num_steps=num_steps, with_hidden=with_hidden,
+                     stream=stream)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

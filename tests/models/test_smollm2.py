@@ -123,6 +123,42 @@ def test_greedy_chat_matches_transformers(smol):
 
 
 @REAL
+def test_text_in_text_out(smol, monkeypatch, capsys):
+  """Chats and strings in, text out (same shapes as the parity test above: no new compile), stop
+  strings, streaming from the compiled loop, and the generate / chat commands."""
+  from jaxsys.serving import generate
+  model, tok = smol.model, smol.tok
+  chats = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+  ids = [P._chat_ids(tok, c) for c in chats]
+  streamed = []
+  res = generate(model, chats, tokenizer=tok, max_new_tokens=64,
+                 on_token=lambda step, t: streamed.append((step, t.copy())))
+  assert res.tokens == generate(model, ids, max_new_tokens=64).tokens
+  assert res.text[0] == "The capital of France is Paris." and res.finished[0]
+  assert res.text == [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
+  steps = [s for s, _ in streamed]
+  assert steps == list(range(len(steps))) and len(steps) == max(map(len, res.tokens))
+  for i, toks in enumerate(res.tokens):  # each row's stream, up to its own count, is its output
+    assert [int(t[i]) for _, t in streamed[:len(toks)]] == toks
+  cut = generate(model, chats, tokenizer=tok, max_new_tokens=64, stop=[" Paris", "\n"])
+  assert cut.text[0] == "The capital of France is" and cut.finished[0]
+  assert " Paris" in tok.decode(cut.tokens[0]) and " Paris" not in tok.decode(cut.tokens[0][:-1])
+  assert all("\n" not in t for t in cut.text)
+  with pytest.raises(InputError, match=r"prompts\[0\]\[0\]"):
+    generate(model, [[{"role": "user"}]], tokenizer=tok, max_new_tokens=4)
+  with pytest.raises(ConfigError, match="stop strings need a tokenizer"):
+    generate(model, ids, max_new_tokens=4, stop=["x"])
+  # The commands stream the reply to stdout.
+  monkeypatch.setattr(P, "load_pretrained", lambda name, dtype=None: (model, tok))
+  assert P.main(["generate", "--model", NAME, CHAT_PROMPTS[0], "--max-new-tokens", "64"]) == 0
+  assert capsys.readouterr().out.strip() == "The capital of France is Paris."
+  lines = iter([CHAT_PROMPTS[0], ""])
+  monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+  assert P.main(["chat", "--model", NAME, "--max-new-tokens", "64"]) == 0
+  assert capsys.readouterr().out.strip() == "The capital of France is Paris."
+
+
+@REAL
 def test_saved_gguf_reloads_in_transformers(smol, tmp_path):
   path = M.save_gguf(smol.model, tmp_path / "smollm2-f32.gguf", dtype="f32", tokenizer=smol.path)
   with _one_torch_thread(smol.torch):
@@ -136,6 +172,18 @@ def test_saved_gguf_reloads_in_transformers(smol, tmp_path):
   tok = M.load_tokenizer(path)  # the copied tokenizer metadata, chat template included
   assert tok(TEXT)["input_ids"][:256] == smol.ids
   assert tok.chat_template == smol.tok.chat_template
+  # llama.cpp (the `bench` extra) runs the file with the same greedy reply as jaxsys.
+  llama_cpp = pytest.importorskip("llama_cpp")
+  from jaxsys.serving import generate
+  ids = P._chat_ids(smol.tok, [{"role": "user", "content": CHAT_PROMPTS[0]}])
+  ours = generate(smol.model, [ids], max_new_tokens=64).tokens[0]  # the shapes the CLI test runs
+  llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=False)
+  theirs = []
+  for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+    theirs.append(int(t))
+    if t == smol.model.config.eos_token_id or len(theirs) == len(ours):
+      break
+  assert theirs == ours, (smol.tok.decode(theirs), smol.tok.decode(ours))
 
 
 # ----------------------------------------------------------------------------- named models
