@@ -14,7 +14,7 @@ position by position (1.0 = exact), so a GRPO group has a graded, verifiable sig
 Usage::
 
   tasks = TaskSampler(long_fraction=0.15, long_span=(24, 40), seed=0)
-  batch = tasks.sample(8)             # list of Example(kind, prompt, answer)
+  batch = tasks.sample(8)             # list of TaskExample(kind, prompt, answer)
   r = reward(batch[0], response_tokens)
 """
 
@@ -32,7 +32,7 @@ VOCAB = 72
 
 
 @dataclasses.dataclass(frozen=True)
-class Example:
+class TaskExample:
   kind: str
   prompt: tuple[int, ...]
   answer: tuple[int, ...]  # reference response without EOS
@@ -42,16 +42,16 @@ class Example:
     return self.answer + (EOS,)
 
 
-def count_example(a: int, b: int) -> Example:
+def count_example(a: int, b: int) -> TaskExample:
   if not 0 <= a <= b < NUM:
     raise ConfigError(f"count task needs 0 <= a={a} <= b={b} < {NUM}")
-  return Example("count", (BOS, a, b, SEP), tuple(range(a, b + 1)))
+  return TaskExample("count", (BOS, a, b, SEP), tuple(range(a, b + 1)))
 
 
-def add_example(x: int, y: int) -> Example:
+def add_example(x: int, y: int) -> TaskExample:
   if not (0 <= x < 8 and 0 <= y < 8):
     raise ConfigError(f"add task needs 0 <= x={x}, y={y} < 8")
-  return Example("add", (BOS, x, PLUS, y, EQ), (x + y,))
+  return TaskExample("add", (BOS, x, PLUS, y, EQ), (x + y,))
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ class TaskSampler:
         raise ConfigError(f"{name}={getattr(self, name)} must satisfy 1 <= lo <= hi <= {NUM}")
     self.rng = np.random.default_rng(self.seed)
 
-  def one(self, rng=None) -> Example:
+  def one(self, rng=None) -> TaskExample:
     rng = rng or self.rng
     if rng.random() < self.add_fraction:
       return add_example(int(rng.integers(8)), int(rng.integers(8)))
@@ -81,7 +81,7 @@ class TaskSampler:
     a = int(rng.integers(0, NUM - span + 1))
     return count_example(a, a + span - 1)
 
-  def sample(self, n: int, rng=None) -> list[Example]:
+  def sample(self, n: int, rng=None) -> list[TaskExample]:
     return [self.one(rng) for _ in range(n)]
 
   @property
@@ -93,7 +93,7 @@ class TaskSampler:
     return self.long_span[1] + 1
 
 
-def reward(example: Example, response) -> float:
+def reward(example: TaskExample, response) -> float:
   """Fraction of ``answer + [EOS]`` matched position by position (extra tokens count as wrong)."""
   want = example.target
   got = list(response)
