@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, check_positive
 
 # Realistic last lines of the logs of failing jobs, by failure kind (what the injector prints).
 FAILURE_MESSAGES = {
@@ -122,11 +122,7 @@ class DemoConfig:
   step_sleep: float = 0.0
 
   def __post_init__(self):
-    for f in ("steps", "ckpt_every", "batch", "dim", "hidden", "max_to_keep"):
-      if getattr(self, f) <= 0:
-        raise ConfigError(f"{f}={getattr(self, f)} must be positive")
-    if not self.lr > 0:
-      raise ConfigError(f"lr={self.lr} must be positive")
+    check_positive(self, "steps", "ckpt_every", "batch", "dim", "hidden", "max_to_keep", "lr")
 
 
 def _model(cfg: DemoConfig):

@@ -22,7 +22,7 @@ import heapq
 import math
 import random
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import check_min, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +33,9 @@ class Dataset:
   cpu_s_per_sample: float
 
   def __post_init__(self):
-    if self.samples <= 0 or self.device_s_per_sample < 0 or self.cpu_s_per_sample < 0:
-      raise ConfigError(f"dataset {self.name!r}: samples={self.samples} must be > 0 and per-sample "
-                        "times >= 0")
+    where = f"dataset {self.name!r}: "
+    check_positive(self, "samples", where=where)
+    check_min(self, 0, "device_s_per_sample", "cpu_s_per_sample", where=where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +47,8 @@ class EvalCosts:
   trial_samples: int = 500
 
   def __post_init__(self):
-    for f in ("devices", "cpu_workers", "trial_samples"):
-      if getattr(self, f) <= 0:
-        raise ConfigError(f"{f}={getattr(self, f)} must be positive")
-    if self.load_s < 0 or self.transfer_s < 0:
-      raise ConfigError(f"load_s={self.load_s} and transfer_s={self.transfer_s} must be >= 0")
+    check_positive(self, "devices", "cpu_workers", "trial_samples")
+    check_min(self, 0, "load_s", "transfer_s")
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxsys.cluster.policies import Policy, make_policy, restore_overhead
 from jaxsys.cluster.trace import Job
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, check_one_of
 
 _DONE, _CHANGE = 0, 1  # event kinds; completions are processed before demotions at equal times
 
@@ -68,8 +68,7 @@ class SimConfig:
   restore_overheads: tuple[float, float, float] = (7.0, 30.0, 60.0)
 
   def __post_init__(self):
-    if self.placement not in ("consolidate", "random"):
-      raise ConfigError(f"placement={self.placement!r} must be 'consolidate' or 'random'")
+    check_one_of("placement", self.placement, ("consolidate", "random"))
     if any(o < 0 for o in self.restore_overheads):
       raise ConfigError(f"restore_overheads={self.restore_overheads} must be >= 0")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxsys.core.errors import InputError
+from jaxsys.core.errors import InputError, check_min, check_one_of
 
 STATES = ("completed", "failed", "cancelled", "running", "pending", "timeout")
 _STATE_ALIASES = {
@@ -67,18 +67,14 @@ class Job:
   extra: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
   def __post_init__(self):
-    if self.gpus < 0:
-      raise InputError(f"job {self.id}: gpus={self.gpus} must be >= 0")
-    if self.nodes < 0:
-      raise InputError(f"job {self.id}: nodes={self.nodes} must be >= 0")
+    where = f"job {self.id}: "
+    check_min(self, 0, "gpus", "nodes", error=InputError, where=where)
     if not math.isfinite(self.duration) or self.duration < 0:
-      raise InputError(f"job {self.id}: duration={self.duration} must be finite and >= 0")
+      raise InputError(f"{where}duration={self.duration} must be finite and >= 0")
     if not math.isfinite(self.submit):
-      raise InputError(f"job {self.id}: submit={self.submit} must be finite")
-    if self.state not in STATES:
-      raise InputError(f"job {self.id}: state={self.state!r} must be one of {STATES}")
-    if self.type not in ("gpu", "cpu"):
-      raise InputError(f"job {self.id}: type={self.type!r} must be 'gpu' or 'cpu'")
+      raise InputError(f"{where}submit={self.submit} must be finite")
+    check_one_of("state", self.state, STATES, error=InputError, where=where)
+    check_one_of("type", self.type, ("gpu", "cpu"), error=InputError, where=where)
 
   @property
   def queue(self) -> float | None:

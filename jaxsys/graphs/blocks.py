@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, check_min, check_one_of
 from jaxsys.graphs.dataset import check_edges
 
 MODES = ("exact", "approximate")
@@ -82,14 +82,10 @@ class ReformConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.block_size < 1:
-      raise ConfigError(f"block_size={self.block_size} must be >= 1")
-    if not 0.0 <= self.threshold:
-      raise ConfigError(f"threshold={self.threshold} must be >= 0 (use > 1 to disable dense tiles)")
-    if self.mode not in MODES:
-      raise ConfigError(f"mode={self.mode!r} must be one of {MODES}")
-    if self.random_blocks < 0:
-      raise ConfigError(f"random_blocks={self.random_blocks} must be >= 0")
+    check_min(self, 1, "block_size")
+    check_min(self, 0.0, "threshold", note=" (use > 1 to disable dense tiles)")
+    check_one_of("mode", self.mode, MODES)
+    check_min(self, 0, "random_blocks")
     if self.random_blocks and self.mode != "approximate":
       raise ConfigError(f"random_blocks={self.random_blocks} needs mode='approximate' (exact keeps the topology)")
 

@@ -19,7 +19,7 @@ import dataclasses
 import jraph
 import numpy as np
 
-from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min
 from jaxsys.ops.ids import check_ids
 
 
@@ -42,8 +42,7 @@ class NodeDataset:
       raise ShapeError(f"labels must have shape [num_nodes={n}], got {labels.shape}")
     if not np.issubdtype(labels.dtype, np.integer):
       raise ShapeError(f"labels must be integers, got dtype {labels.dtype}")
-    if self.num_classes < 1:
-      raise ConfigError(f"num_classes={self.num_classes} must be >= 1")
+    check_min(self, 1, "num_classes")
     if n and (labels.min() < 0 or labels.max() >= self.num_classes):
       raise InputError(f"labels must lie in [0, num_classes={self.num_classes}), "
                        f"got range [{labels.min()}, {labels.max()}]")

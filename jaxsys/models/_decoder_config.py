@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, check_divisible, check_min, check_one_of, check_positive
 from jaxsys.nn.rope import RopeConfig
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -55,23 +55,17 @@ class DecoderConfig:
         raise ConfigError(f"hidden_size={self.hidden_size} must be divisible by num_heads="
                           f"{self.num_heads} when head_dim is not given")
       object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "max_position_embeddings"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive int")
-    if self.num_heads % self.num_kv_heads:
-      raise ConfigError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+    check_positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings", integer=True)
+    check_divisible("num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-    if not self.rms_norm_eps > 0:
-      raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be positive")
+    check_positive(self, "rms_norm_eps")
     if not isinstance(self.rope, RopeConfig):
       raise ConfigError(f"rope={self.rope!r} must be a jaxsys.nn.RopeConfig")
-    if self.arch not in ARCHS:
-      raise ConfigError(f"arch={self.arch!r} must be one of {ARCHS}")
-    if self.sliding_window is not None and self.sliding_window < 1:
-      raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+    check_one_of("arch", self.arch, ARCHS)
+    if self.sliding_window is not None:
+      check_min(self, 1, "sliding_window", note=" or None")
     if self.layer_types is not None:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
       if len(self.layer_types) != self.num_layers:

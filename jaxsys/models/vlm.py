@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.errors import ShapeError, check_divisible, check_min
 from jaxsys.models.decoder import Decoder, DecoderConfig
 from jaxsys.ops import attention
 
@@ -46,15 +46,9 @@ class VLMConfig:
                                     num_layers=2, num_heads=4, num_kv_heads=4)
 
   def __post_init__(self):
-    if self.patches % self.tokens_per_frame:
-      raise ConfigError(f"patches={self.patches} must be divisible by "
-                        f"tokens_per_frame={self.tokens_per_frame}")
-    if self.vision_hidden % self.vision_heads:
-      raise ConfigError(f"vision_hidden={self.vision_hidden} must be divisible by "
-                        f"vision_heads={self.vision_heads}")
-    for name in ("patch_dim", "vision_layers"):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+    check_divisible("patches", self.patches, "tokens_per_frame", self.tokens_per_frame)
+    check_divisible("vision_hidden", self.vision_hidden, "vision_heads", self.vision_heads)
+    check_min(self, 1, "patch_dim", "vision_layers")
 
   def num_frame_tokens(self, frames: int) -> int:
     return frames * self.tokens_per_frame

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.core.errors import ConfigError, InputError, check_min, check_range
 from jaxsys.quant import a2q
 
 
@@ -53,15 +53,10 @@ class A2QConfig:
 
   def __post_init__(self):
     for name in ("init_feature_bits", "init_weight_bits"):
-      v = getattr(self, name)
-      if not (a2q.MIN_BITS <= v <= a2q.MAX_BITS):
-        raise ConfigError(f"{name}={v} must lie in [{a2q.MIN_BITS}, {a2q.MAX_BITS}]")
+      check_range(name, getattr(self, name), a2q.MIN_BITS, a2q.MAX_BITS)
     if self.target_bits is not None:
       a2q.check_target_bits(self.target_bits)
-    if self.penalty < 0:
-      raise ConfigError(f"penalty={self.penalty} must be >= 0")
-    if self.nns_pairs < 0:
-      raise ConfigError(f"nns_pairs={self.nns_pairs} must be >= 0")
+    check_min(self, 0, "penalty", "nns_pairs")
 
 
 _EPS = 1e-8

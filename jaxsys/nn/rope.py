@@ -33,7 +33,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError, check_one_of, check_positive
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
@@ -55,10 +55,8 @@ class RopeConfig:
   truncate: bool = True             # yarn
 
   def __post_init__(self):
-    if self.kind not in ROPE_KINDS:
-      raise ConfigError(f"rope kind={self.kind!r} must be one of {ROPE_KINDS}")
-    if not self.theta > 0:
-      raise ConfigError(f"rope theta={self.theta} must be positive")
+    check_one_of("kind", self.kind, ROPE_KINDS, where="rope ")
+    check_positive(self, "theta", where="rope ")
     if self.kind != "default" and not self.factor > 0:
       raise ConfigError(f"rope factor={self.factor} must be positive for kind={self.kind!r}")
     if self.kind in ("llama3", "yarn") and self.original_max_position_embeddings is None:

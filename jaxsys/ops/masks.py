@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError, check_min
 
 
 class Mask:
@@ -89,8 +89,7 @@ class Local(Mask):
   window: int
 
   def __post_init__(self):
-    if int(self.window) < 1:
-      raise ConfigError(f"Local window={self.window} must be >= 1")
+    check_min(self, 1, "window", where="Local ")
 
   def visible(self, q_idx, q_pos, k_idx, head=None):
     d = q_pos - k_idx
@@ -102,8 +101,7 @@ class Sink(Mask):
   num_sink: int
 
   def __post_init__(self):
-    if int(self.num_sink) < 0:
-      raise ConfigError(f"Sink num_sink={self.num_sink} must be >= 0")
+    check_min(self, 0, "num_sink", where="Sink ")
 
   def visible(self, q_idx, q_pos, k_idx, head=None):
     return (k_idx < self.num_sink) & (k_idx <= q_pos)
@@ -186,8 +184,7 @@ class BlockSparse(Mask):
       layout = layout[None]
     if layout.ndim != 3:
       raise ShapeError(f"BlockSparse layout must be [heads, q_blocks, k_blocks], got {layout.shape}")
-    if self.block_q < 1 or self.block_k < 1:
-      raise ConfigError(f"block_q={self.block_q} and block_k={self.block_k} must be >= 1")
+    check_min(self, 1, "block_q", "block_k", where="BlockSparse ")
     object.__setattr__(self, "layout", layout.astype(bool))
 
   @property

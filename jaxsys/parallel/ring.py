@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.core.errors import check_min
 from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.attention.api import attention
 from jaxsys.ops.merge import merge_lse
@@ -50,8 +51,7 @@ class RingSpec:
 
   def __post_init__(self):
     zz.num_chunks(self.layout)
-    if self.size < 1:
-      raise ValueError(f"ring size={self.size} must be >= 1")
+    check_min(self, 1, "size", error=ValueError, where="ring ")
     check_relative_mask(self.mask)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, check_min, check_positive, check_range
 from jaxsys.rl import tasks as tasks_lib
 
 
@@ -58,16 +58,12 @@ class GRPOConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.group_size < 2:
-      raise ConfigError(f"group_size={self.group_size} must be >= 2 (advantages are group-relative)")
-    if self.prompts_per_step < 1:
-      raise ConfigError(f"prompts_per_step={self.prompts_per_step} must be >= 1")
-    if not 0 < self.clip_eps < 1:
-      raise ConfigError(f"clip_eps={self.clip_eps} must be in (0, 1)")
-    if self.kl_coef < 0 or self.lr <= 0:
-      raise ConfigError(f"kl_coef={self.kl_coef} must be >= 0 and lr={self.lr} > 0")
-    if self.length_bucket < 0:
-      raise ConfigError(f"length_bucket={self.length_bucket} must be >= 0 (0 disables length grouping)")
+    check_min(self, 2, "group_size", note=" (advantages are group-relative)")
+    check_min(self, 1, "prompts_per_step")
+    check_range("clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)
+    check_min(self, 0, "kl_coef")
+    check_positive(self, "lr")
+    check_min(self, 0, "length_bucket", note=" (0 disables length grouping)")
     n = self.group_size * self.prompts_per_step
     if self.minibatches < 1 or n % self.minibatches:
       raise ConfigError(f"minibatches={self.minibatches} must divide group_size*prompts_per_step={n}")

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.core.dispatch import Dispatcher, require_backend
-from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.errors import ShapeError, check_min, check_multiple
 
 MIN_PAGES = 3
 
@@ -42,17 +42,9 @@ class SelectionConfig:
   reuse_steps: int = 4
 
   def __post_init__(self):
-    if self.page_size < 1 or self.logical_page_size < 1:
-      raise ConfigError(f"page_size={self.page_size} and logical_page_size={self.logical_page_size} "
-                        "must be >= 1")
-    if self.page_size % self.logical_page_size:
-      raise ConfigError(f"page_size={self.page_size} must be a multiple of "
-                        f"logical_page_size={self.logical_page_size}")
-    if self.token_budget < 1 or self.token_budget % self.page_size:
-      raise ConfigError(f"token_budget={self.token_budget} must be a positive multiple of "
-                        f"page_size={self.page_size}")
-    if self.reuse_steps < 1:
-      raise ConfigError(f"reuse_steps={self.reuse_steps} must be >= 1")
+    check_min(self, 1, "page_size", "logical_page_size", "reuse_steps")
+    check_multiple("page_size", self.page_size, "logical_page_size", self.logical_page_size)
+    check_multiple("token_budget", self.token_budget, "page_size", self.page_size, positive=True)
 
   @property
   def num_select(self) -> int:

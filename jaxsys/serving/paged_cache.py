@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_multiple
 
 
 class PoolExhaustedError(InputError):
@@ -66,15 +66,10 @@ class PagedCacheConfig:
   kv_int8: bool = False
 
   def __post_init__(self):
-    for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
-                 "logical_page_size", "max_requests", "window"):
-      if int(getattr(self, name)) < 1:
-        raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-    if self.sink < 0:
-      raise ConfigError(f"sink={self.sink} must be >= 0")
-    if self.page_size % self.logical_page_size:
-      raise ConfigError(f"page_size={self.page_size} must be a multiple of "
-                        f"logical_page_size={self.logical_page_size}")
+    check_min(self, 1, "num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
+              "logical_page_size", "max_requests", "window")
+    check_min(self, 0, "sink")
+    check_multiple("page_size", self.page_size, "logical_page_size", self.logical_page_size)
     if self.streaming is not None:
       s = np.asarray(self.streaming, bool)
       if s.shape != (self.num_layers, self.num_kv_heads):

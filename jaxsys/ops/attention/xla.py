@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import check_positive
 from jaxsys.ops.attention import reference
 from jaxsys.ops.attention import layout as layout_lib
 from jaxsys.ops.attention.common import AttentionArgs
@@ -56,10 +56,7 @@ class XlaBlockSizes:
   block_k: int = 256
 
   def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive int")
+    check_positive(self, "block_q", "block_k", integer=True)
 
   def for_lengths(self, q_len: int, kv_len: int) -> tuple[int, int]:
     return min(self.block_q, _round_up(q_len, 8)), min(self.block_k, _round_up(kv_len, 8))
