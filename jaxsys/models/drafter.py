@@ -28,53 +28,67 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError, check_min, check_positive
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.models.decoder import DecoderLayer
 from jaxsys.nn.layers import RMSNorm, param
-from jaxsys.nn.rope import RopeConfig
+
+
+# The target fields the draft block takes over; every other ``DecoderConfig`` field keeps its
+# default, so the block is a plain pre-norm layer whatever the target's biases, windows or dtypes.
+TARGET_FIELDS = ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "rope", "rms_norm_eps")
+
+
+def _from_layer(name):
+  return property(lambda self: getattr(self.layer, name), doc=f"``layer.{name}``")
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-  vocab_size: int
-  hidden_size: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  intermediate_size: int
-  rope: RopeConfig = RopeConfig()
-  rms_norm_eps: float = 1e-6
+  """Draft-head settings: ``layer`` configures its one decoder block (``num_layers=1``).
+
+  Build it from the target with ``for_target``, which copies nothing by hand: the block's
+  shapes are the target's ``TARGET_FIELDS`` (overridable, e.g. to test a mismatch). The shape
+  fields read through (``config.head_dim`` is ``config.layer.head_dim``).
+  """
+  layer: DecoderConfig
   ce_weight: float = 0.1
   smooth_l1_beta: float = 1.0
 
+  vocab_size = _from_layer("vocab_size")
+  hidden_size = _from_layer("hidden_size")
+  num_heads = _from_layer("num_heads")
+  num_kv_heads = _from_layer("num_kv_heads")
+  head_dim = _from_layer("head_dim")
+  intermediate_size = _from_layer("intermediate_size")
+  rope = _from_layer("rope")
+  rms_norm_eps = _from_layer("rms_norm_eps")
+
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive int")
-    if self.num_heads % self.num_kv_heads:
-      raise ConfigError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
-    if self.ce_weight < 0:
-      raise ConfigError(f"ce_weight={self.ce_weight} must be >= 0")
-    if self.smooth_l1_beta <= 0:
-      raise ConfigError(f"smooth_l1_beta={self.smooth_l1_beta} must be > 0")
+    if not isinstance(self.layer, DecoderConfig):
+      raise ConfigError(f"layer={self.layer!r} must be a DecoderConfig "
+                        "(use DrafterConfig.for_target)")
+    if self.layer.num_layers != 1:
+      raise ConfigError(f"layer.num_layers={self.layer.num_layers} must be 1: "
+                        "the draft head is one block")
+    check_min(self, 0, "ce_weight")
+    check_positive(self, "smooth_l1_beta")
 
   @classmethod
-  def for_target(cls, target_config: DecoderConfig, **overrides) -> "DrafterConfig":
-    c = target_config
-    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_heads=c.num_heads,
-              num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-              intermediate_size=c.intermediate_size, rope=c.rope, rms_norm_eps=c.rms_norm_eps)
+  def for_target(cls, target_config: DecoderConfig, *, ce_weight: float = 0.1,
+                 smooth_l1_beta: float = 1.0, **overrides) -> "DrafterConfig":
+    """The target's ``TARGET_FIELDS`` (then ``overrides``) in a one-block ``DecoderConfig``."""
+    unknown = sorted(set(overrides) - set(TARGET_FIELDS))
+    if unknown:
+      raise ConfigError(f"overrides {unknown} are not drafter fields; "
+                        f"expected some of {TARGET_FIELDS}")
+    kw = {name: getattr(target_config, name) for name in TARGET_FIELDS}
     kw.update(overrides)
-    return cls(**kw)
+    return cls(DecoderConfig(num_layers=1, **kw), ce_weight, smooth_l1_beta)
 
   def layer_config(self) -> DecoderConfig:
-    return DecoderConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                         intermediate_size=self.intermediate_size, num_layers=1,
-                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                         head_dim=self.head_dim, rope=self.rope, rms_norm_eps=self.rms_norm_eps)
+    return self.layer
 
 
 class EagleDrafter(nnx.Module):
@@ -85,7 +99,7 @@ class EagleDrafter(nnx.Module):
     d = config.hidden_size
     self.fc = param(rngs, (2 * d, d), ("mlp", "embed"))
     self.fc_bias = param(rngs, (d,), ("embed",), init="zeros")
-    self.layer = DecoderLayer(config.layer_config(), 0, attention_fn=None, rngs=rngs)
+    self.layer = DecoderLayer(config.layer, 0, attention_fn=None, rngs=rngs)
     self.out_norm = RMSNorm(d, eps=config.rms_norm_eps)
 
   def fuse(self, target, tokens, feats):

@@ -24,7 +24,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, check_min, check_range
 from jaxsys.ops.paged_attention import paged_decode_attention
 from jaxsys.serving import page_select as ps
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedState, stream_page_numbers
@@ -52,23 +52,44 @@ class LServeConfig:
   def __post_init__(self):
     # SelectionConfig validates page/budget divisibility with errors naming the fields.
     ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size, self.reuse_steps)
-    if not 0.0 <= self.streaming_fraction <= 1.0:
-      raise ConfigError(f"streaming_fraction={self.streaming_fraction} must be in [0, 1]")
-    if self.window < 1 or self.sink < 0:
-      raise ConfigError(f"window={self.window} must be >= 1 and sink={self.sink} >= 0")
+    check_range("streaming_fraction", self.streaming_fraction, 0.0, 1.0)
+    check_min(self, 1, "window")
+    check_min(self, 0, "sink")
 
   @property
   def selection(self) -> ps.SelectionConfig | None:
+    """The page selection these settings describe (None when ``dense``)."""
     if self.dense:
       return None
     return ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size,
                               self.reuse_steps)
+
+  def cache_config(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                   max_requests: int, streaming=None, dtype: str = "float32") -> PagedCacheConfig:
+    """The paged cache these settings need: page sizes, ``sink``/``window`` and ``kv_int8`` come
+    from here, the model and pool sizes from the arguments (``streaming`` is ignored when dense)."""
+    return PagedCacheConfig(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
+        page_size=self.page_size, logical_page_size=self.logical_page_size,
+        max_requests=max_requests, sink=self.sink, window=self.window,
+        streaming=None if self.dense else streaming, dtype=dtype, kv_int8=self.kv_int8)
+
+
+def check_selection(c: PagedCacheConfig, sel: ps.SelectionConfig | None):
+  """Raises unless ``sel`` counts pages of the size ``c`` stores (build both from one
+  ``LServeConfig`` -- ``.cache_config(...)`` and ``.selection`` -- and they agree)."""
+  if sel is not None and (sel.page_size, sel.logical_page_size) != (c.page_size,
+                                                                    c.logical_page_size):
+    raise ConfigError(f"selection page_size={sel.page_size}, logical_page_size="
+                      f"{sel.logical_page_size} differ from the cache's page_size={c.page_size}, "
+                      f"logical_page_size={c.logical_page_size}")
 
 
 def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st: PagedState,
                         layer, q, block_table, lengths, numbers=None, *, reselect=True,
                         impl="auto"):
   """Retrieval-head attention ``q [b, r*g, d] -> ([b, r*g, d], numbers [b, r, K] or None)``."""
+  check_selection(c, sel)
   r = len(c.retrieval_heads(layer))
   if sel is None or block_table.shape[1] <= sel.num_select:
     # Dense, or every page fits the budget (static): selection would keep all pages anyway.

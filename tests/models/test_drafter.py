@@ -93,3 +93,22 @@ def test_incompatible_drafter_errors(models):
     DrafterConfig.for_target(CFG, num_heads=3)
   with pytest.raises(ShapeError, match="must share"):
     drafter_loss(drafter, target, jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4, 16)), jnp.zeros((2, 5)))
+
+
+def test_config_derives_the_block_from_the_target():
+  target = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3,
+                         num_heads=4, num_kv_heads=2, qkv_bias=True, sliding_window=8, arch="qwen2")
+  dc = DrafterConfig.for_target(target, ce_weight=0.5)
+  assert dc.layer.num_layers == 1 and dc.ce_weight == 0.5
+  for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "rope", "rms_norm_eps"):
+    assert getattr(dc, name) == getattr(target, name) == getattr(dc.layer, name)
+  # only the shapes are taken over: the draft block is a plain pre-norm layer
+  assert not dc.layer.qkv_bias and dc.layer.sliding_window is None and dc.layer.arch == "llama"
+  assert DrafterConfig.for_target(target, head_dim=8).head_dim == 8
+  with pytest.raises(ConfigError, match="not drafter fields"):
+    DrafterConfig.for_target(target, num_layers=2)
+  with pytest.raises(ConfigError, match="layer.num_layers=3 must be 1"):
+    DrafterConfig(target)
+  with pytest.raises(ConfigError, match="smooth_l1_beta"):
+    DrafterConfig.for_target(target, smooth_l1_beta=0.0)

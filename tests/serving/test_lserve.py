@@ -88,3 +88,19 @@ def test_hybrid_prefill_equals_reference_multihead():
     dense = masks.Causal() if rm is None else masks.Causal() & rm
     ref = attention(q, k, v, mask=masks.MultiHead([stream] * 2 + [dense] * 2), q_offset=16, impl="reference")
     np.testing.assert_allclose(run(q, k, v, rm), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_and_selection_come_from_one_lserve_config():
+  ls = lserve.LServeConfig(page_size=8, logical_page_size=4, token_budget=24, sink=4, window=10,
+                           kv_int8=True)
+  c = ls.cache_config(num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=12, max_requests=2,
+                      streaming=((False, True),))
+  assert (c.page_size, c.logical_page_size, c.sink, c.window, c.kv_int8) == (8, 4, 4, 10, True)
+  assert c.streaming == ((False, True),)
+  lserve.check_selection(c, ls.selection)
+  lserve.check_selection(c, None)
+  dense = lserve.LServeConfig(dense=True, page_size=8, logical_page_size=4, token_budget=24)
+  assert dense.cache_config(num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=12,
+                            max_requests=2, streaming=((False, True),)).streaming is None
+  with pytest.raises(ConfigError, match="differ from the cache's page_size=8"):
+    lserve.check_selection(c, SelectionConfig(token_budget=32, page_size=16, logical_page_size=4))
