@@ -66,6 +66,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   from jaxsys.models import load_tiny_lm
   from jaxsys.models.drafter import DrafterConfig, EagleDrafter
   from jaxsys.rl import grpo, tasks
+  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
   from jaxsys.speculative import online
   from jaxsys.speculative.bandit import Strategy
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
@@ -145,36 +146,29 @@ def run(quick: bool, out_dir: str) -> list[Row]:
     print(f"[tlt] batch {b}: tokens/s {tput} accepted chain {acc['chain']:.2f} tree {acc['tree']:.2f}", flush=True)
 
   # ---- 2 + 3) GRPO: TLT (online drafter) vs vanilla, same seeds; frozen-drafter acceptance --
+  # TLT (online drafter, speculative long tail) vs the same pipeline without speculation, both
+  # from the same policy and warm drafter (jaxsys.rl.tlt assembles them). The online buffer is
+  # seeded with the last warm-up rollouts: a GRPO step has only ~5 long responses, and training
+  # on 2 steps' worth alone memorises them (the failure mode of the warm-up above) instead of
+  # tracking the policy. The drafter gets spot_steps updates between rollouts, timed apart: on
+  # a 2-core host a background thread would race the rollout for the cores (online.SpotTrainer).
+  tlt_cfg = TLTConfig(grpo=grpo.GRPOConfig(group_size=cfg["group_size"],
+                                           prompts_per_step=cfg["prompts_per_step"], seed=0),
+                      online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
+                      drafter_batch=16, spot_steps=cfg["spot_steps"], synchronous=True)
+  rollout = RolloutConfig(**base)
+
   def make_trainer(speculative: bool):
-    pol_copy = nnx.merge(*nnx.split(policy))
-    # TLT's engine adapts: its bandit may also run the long tail without drafting (vanilla_arm).
-    eng = RolloutEngine(pol_copy, drafter0, RolloutConfig(**base, speculative=speculative, vanilla_arm=speculative),
-                        pool=pool)
     tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=7, **mix)
-    # The online buffer holds the latest online_buffer rollouts, seeded with the last warm-up
-    # ones: a GRPO step has only ~5 long responses, and training on 2 steps' worth alone
-    # memorises them (the failure mode of the warm-up above) instead of tracking the policy.
-    buf = online.DrafterBuffer(max_steps=cfg["online_buffer"], seed=1)
-    spot = None
-    if speculative:
-      for j, r in enumerate(warm_rollouts[-cfg["online_buffer"]:]):
-        buf.add(j - cfg["online_buffer"], r.sequences, r.features, r.prompt_lengths)
-      dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter0)), lr=cfg["online_lr"], batch=16,
-                                  seq_len=seq_len)
-      dtr.warm_up(pol_copy, buf)  # compiles the update before step 1 (state restored)
-      # A fixed number of drafter updates between rollouts, timed apart: on a 2-core host a
-      # background thread would race the rollout for the cores (see online.SpotTrainer).
-      spot = online.SpotTrainer(dtr, buf, max_steps=cfg["spot_steps"], synchronous=True)
-    tr = grpo.GRPOTrainer(pol_copy, eng, tsamp, grpo.GRPOConfig(
-        group_size=cfg["group_size"], prompts_per_step=cfg["prompts_per_step"], seed=0),
-        buffer=buf if speculative else None, spot=spot, reward_fn=synthetic.reward,
-        pad_id=synthetic.VOCAB.pad)
-    return tr, eng, spot
+    built = make_tlt_trainer(policy, drafter0, tsamp, rollout, tlt_cfg, speculative=speculative,
+                             warm_rollouts=warm_rollouts, pool=pool, reward_fn=synthetic.reward,
+                             pad_id=synthetic.VOCAB.pad)
+    return built.trainer, built.engine, built.spot
 
   tlt, tlt_engine, spot = make_trainer(True)
   van, van_engine, _ = make_trainer(False)
   # Every executable either rollout can need (all buckets, every shrink, both long-tail loops)
-  # before step 1: no timed step may compile. Checked below with JAX's compile event.
+  # before step 1: no timed step may compile. Checked below (core.bench.compile_count).
   tlt_engine.precompile()
   van_engine.precompile()
   tlt.precompile()  # the policy update at every minibatch width (length-grouped minibatches)

@@ -3,6 +3,8 @@
 * ``grpo``: ``GRPOTrainer`` / ``GRPOConfig`` (group advantages, clipped surrogate, k3 KL).
 * ``tasks``: long-tailed ``count`` (retrieval) and ``add`` (arithmetic) tasks with rewards.
 * ``policy``: config and supervised warm-up of the tiny policy used by experiments/tlt.py.
+* ``tlt``: ``make_tlt_trainer`` / ``TLTConfig``: TLT assembled (rollout engine + online drafter
+  buffer, trainer and spot scheduling + GRPO), or its vanilla baseline.
 """
 
 from jaxsys._lazy import lazy_exports
@@ -11,4 +13,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "GRPOTrainer": "grpo", "GRPOConfig": "grpo", "group_advantages": "grpo", "grpo_loss": "grpo",
     "TaskSampler": "tasks", "reward": "tasks",
     "policy_config": "policy", "pretrain_policy": "policy", "cached_policy": "policy",
+    "TLTConfig": "tlt", "TLT": "tlt", "make_tlt_trainer": "tlt",
 })

@@ -1,0 +1,132 @@
+"""TLT assembled: GRPO whose rollouts run on the adaptive speculative engine, with the drafter
+trained online on the rollouts' own target features.
+
+:func:`make_tlt_trainer` wires the parts the TLT paper combines (they live in
+``jaxsys.speculative`` and ``jaxsys.rl.grpo``):
+
+* a :class:`~jaxsys.speculative.engine.RolloutEngine` on (a copy of) the policy and the drafter,
+  speculative with the strategy bandit (and its "no drafting" arm, ``TLTConfig.vanilla_arm``);
+* a :class:`~jaxsys.speculative.online.DrafterBuffer` of the last ``online_buffer`` rollouts,
+  optionally seeded with warm-up rollouts (a GRPO step holds only a few long responses; training
+  on those alone memorises them instead of tracking the policy);
+* a :class:`~jaxsys.speculative.online.DrafterTrainer` on a copy of the drafter, its update
+  compiled before the first step, driven by a :class:`~jaxsys.speculative.online.SpotTrainer`
+  (``spot_steps`` updates between rollouts with ``synchronous=True``, else in the background
+  during the long tail) that swaps the new drafter into the engine;
+* the :class:`~jaxsys.rl.grpo.GRPOTrainer` that ties rollout, rewards, update and weight sync.
+
+``speculative=False`` builds the same pipeline without speculation or drafter training: the
+vanilla baseline TLT is compared against (same engine code, same executable pool).
+
+Usage::
+
+  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
+  rollout = RolloutConfig(strategies=(Strategy(4, 1, 5),), max_new=64, max_prompt=32,
+                          sampling=SamplingParams(1.0), fused=True, stop_tokens=(eos,))
+  tlt = make_tlt_trainer(policy, drafter, sampler, rollout, TLTConfig(spot_steps=40),
+                         warm_rollouts=warm, reward_fn=reward, pad_id=pad)
+  tlt.precompile()                 # optional: every rollout executable and update width
+  for _ in range(10):
+    metrics = tlt.step()           # reward_mean, rollout_seconds, mean_accepted, drafter_seconds, ...
+  policy, drafter_state = tlt.trainer.policy, tlt.engine.dstate
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, check_min, check_positive
+from jaxsys.rl import grpo
+from jaxsys.speculative import online
+from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
+from jaxsys.speculative.pool import ExecutablePool
+
+
+@dataclasses.dataclass(frozen=True)
+class TLTConfig:
+  """GRPO settings (nested) plus the online drafter's: buffer size, optimiser, update count."""
+  grpo: grpo.GRPOConfig = grpo.GRPOConfig()
+  online_buffer: int = 6        # rollouts the drafter trains on (the latest ones)
+  drafter_lr: float = 5e-4
+  drafter_batch: int = 16
+  drafter_weight_decay: float = 0.0
+  spot_steps: int = 40          # drafter updates per rollout
+  synchronous: bool = True      # updates between rollouts (True) or during the long tail
+  vanilla_arm: bool = True      # the bandit may also run the long tail without drafting
+  buffer_seed: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.grpo, grpo.GRPOConfig):
+      raise ConfigError(f"grpo={self.grpo!r} must be a GRPOConfig")
+    check_min(self, 1, "online_buffer", "drafter_batch", "spot_steps")
+    check_positive(self, "drafter_lr")
+    check_min(self, 0, "drafter_weight_decay")
+
+
+@dataclasses.dataclass
+class TLT:
+  """The assembled pipeline; ``spot`` and ``drafter_trainer`` are None without speculation."""
+  trainer: grpo.GRPOTrainer
+  engine: RolloutEngine
+  buffer: online.DrafterBuffer
+  spot: online.SpotTrainer | None
+  drafter_trainer: online.DrafterTrainer | None
+
+  def step(self) -> dict:
+    """One GRPO step (rollout, rewards, update, weight sync; drafter training with TLT)."""
+    return self.trainer.step()
+
+  def precompile(self) -> None:
+    """Every rollout executable (all buckets and shrinks) and every update width, before step 1."""
+    self.engine.precompile()
+    self.trainer.precompile()
+
+
+def drafter_seq_len(rollout: RolloutConfig) -> int:
+  """Drafter training length: prompt + response, rounded up to a power of two."""
+  return 1 << (rollout.max_prompt + rollout.max_new - 1).bit_length()
+
+
+def make_tlt_trainer(policy, drafter, sampler, rollout: RolloutConfig,
+                     config: TLTConfig = TLTConfig(), *, speculative: bool = True,
+                     warm_rollouts: Sequence = (), pool: ExecutablePool | None = None,
+                     reward_fn: Callable | None = None, pad_id: int | None = None) -> TLT:
+  """Builds TLT (``speculative=True``) or its vanilla baseline on a copy of ``policy``.
+
+  ``drafter``: the (warmed-up) EAGLE drafter the engine starts with; it is not modified (the
+  online trainer updates a copy). ``sampler``: the RL prompt sampler (``sample(n, rng)`` of
+  examples with ``prompt``, as ``rl.tasks``). ``rollout``: the engine config; ``speculative`` and
+  ``vanilla_arm`` are set here. ``warm_rollouts``: rollout results (``sequences``, ``features``,
+  ``prompt_lengths``) the online buffer starts with (the latest ``online_buffer`` of them).
+  ``pool``: an executable pool shared with other engines (each bucket compiles once).
+  ``reward_fn``/``pad_id`` as in ``GRPOTrainer``.
+  """
+  if speculative and drafter is None:
+    raise ConfigError("speculative=True needs a drafter")
+  # A copy: two pipelines built from one policy (TLT and its baseline) start from the same
+  # weights and never share updates.
+  policy = nnx.merge(*nnx.split(policy))
+  rcfg = dataclasses.replace(rollout, speculative=speculative,
+                             vanilla_arm=speculative and config.vanilla_arm)
+  engine = RolloutEngine(policy, drafter, rcfg, pool=pool)
+  n = config.online_buffer
+  buffer = online.DrafterBuffer(max_steps=n, seed=config.buffer_seed)
+  spot = dtr = None
+  if speculative:
+    for j, r in enumerate(list(warm_rollouts)[-n:]):
+      buffer.add(j - n, r.sequences, r.features, r.prompt_lengths)
+    dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter)), lr=config.drafter_lr,
+                                batch=config.drafter_batch, seq_len=drafter_seq_len(rcfg),
+                                weight_decay=config.drafter_weight_decay)
+    if len(buffer):
+      dtr.warm_up(policy, buffer)  # compiles the update before step 1 (state restored)
+    spot = online.SpotTrainer(dtr, buffer, max_steps=config.spot_steps,
+                              synchronous=config.synchronous)
+  kw = {} if pad_id is None else {"pad_id": pad_id}
+  trainer = grpo.GRPOTrainer(policy, engine, sampler, config.grpo,
+                             buffer=buffer if speculative else None, spot=spot,
+                             reward_fn=reward_fn, **kw)
+  return TLT(trainer, engine, buffer, spot, dtr)
