@@ -79,3 +79,37 @@ def test_page_scores_lowers_for_cuda(blocks):
   fn = lambda *a: page_scores_pallas(*a, page_size=64, logical_page_size=16, blocks=blocks)
   exp = _export_cuda(fn, q, kmin, kmax, bt, lengths)
   assert "lserve_page_scores" in exp.mlir_module()
+
+
+# ----------------------------------------------------------------------------- Mosaic (TPU)
+
+
+def _export_tpu(fn, *args):
+  return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+
+
+def test_page_scores_mosaic_interpret_matches_xla():
+  q, kmin, kmax, bt, lengths = _select_inputs()
+  ref = page_scores_xla(q, kmin, kmax, bt, lengths, page_size=16, logical_page_size=4)
+  out = page_scores_pallas(q, kmin, kmax, bt, lengths, page_size=16, logical_page_size=4,
+                           interpret=True, backend="mosaic")
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+  assert np.isneginf(np.asarray(out)[1, :, 2:]).all()
+
+
+@pytest.mark.parametrize("nl,page_size", [(4, 64), (8, 128)])  # the block is one page's stats
+def test_page_scores_lowers_for_tpu(nl, page_size):
+  q, kmin, kmax, bt, lengths = _select_inputs(d=64, n=16, nl=nl, m=8)
+  fn = lambda *a: page_scores_pallas(*a, page_size=page_size, logical_page_size=16,
+                                     backend="mosaic")
+  text = _export_tpu(fn, q, kmin, kmax, bt, lengths).mlir_module()
+  assert "tpu_custom_call" in text and "lserve_page_scores" in text
+
+
+def test_page_scores_mosaic_refuses_a_table_beyond_smem():
+  from pallas_kernels import page_select
+  q, kmin, kmax, _, lengths = _select_inputs()
+  bt = jnp.zeros((2, page_select.TPU_SMEM_BUDGET_BYTES // 8 + 1), jnp.int32)
+  with pytest.raises(NotImplementedError, match="SMEM"):
+    page_scores_pallas(q, kmin, kmax, bt, lengths, page_size=16, logical_page_size=4,
+                       backend="mosaic")
