@@ -113,3 +113,46 @@ def test_page_scores_mosaic_refuses_a_table_beyond_smem():
   with pytest.raises(NotImplementedError, match="SMEM"):
     page_scores_pallas(q, kmin, kmax, bt, lengths, page_size=16, logical_page_size=4,
                        backend="mosaic")
+
+
+def _merged(o, m, l, g):
+  """The split-K merge of ``paged_decode_pallas``: ``(out [b, h, d], lse [b, h])``."""
+  from jaxsys.ops.merge import merge_lse, normalize_partial
+  out, lse = merge_lse(*normalize_partial(o, m, l), axis=2)
+  b, hk = out.shape[:2]
+  return out[:, :, :g].reshape(b, hk * g, -1), lse[:, :, :g].reshape(b, hk * g)
+
+
+@pytest.mark.parametrize("splits,stream", [(1, False), (2, True), (3, False)])
+def test_paged_decode_mosaic_interpret_matches_xla(splits, stream):
+  from pallas_kernels.paged_attention import paged_decode_partials
+  q, kp, vp, idx, num, lengths = _decode_inputs()
+  kw = dict(sink=4, window=12) if stream else dict(sink=None, window=None)
+  ref, ref_lse = paged_decode_xla(q, kp, vp, idx, num, lengths, scale=0.25, num_splits=1, **kw)
+  o, m, l = paged_decode_partials(q, kp, vp, idx, num, lengths, scale=0.25, interpret=True,
+                                  blocks=PagedDecodeBlocks(num_splits=splits), backend="mosaic",
+                                  **kw)
+  assert o.shape[3] % 8 == 0 and m.shape == o.shape[:4]  # group padded to whole sublane tiles
+  out, lse = _merged(o, m, l, q.shape[1] // kp.shape[1])
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [PagedDecodeBlocks(), PagedDecodeBlocks(num_splits=4)])
+def test_paged_decode_lowers_for_tpu(blocks):
+  from pallas_kernels.paged_attention import paged_decode_partials
+  q, kp, vp, idx, num, lengths = _decode_inputs(b=1, h=8, hk=2, d=128, page=16, n=16, kk=8)
+  fn = lambda *a: paged_decode_partials(*a, scale=0.125, sink=16, window=32, blocks=blocks,
+                                        backend="mosaic")
+  text = _export_tpu(fn, q, kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16), idx, num,
+                     lengths).mlir_module()
+  assert "tpu_custom_call" in text and "lserve_paged_decode" in text
+
+
+def test_paged_decode_mosaic_refuses_tables_beyond_smem():
+  from pallas_kernels import paged_attention as kernel
+  q, kp, vp, _, _, lengths = _decode_inputs()
+  kk = kernel.TPU_SMEM_BUDGET_BYTES // (4 * 2 * 2 * 2) + 1
+  tab = jnp.zeros((2, 2, kk), jnp.int32)
+  with pytest.raises(NotImplementedError, match="SMEM"):
+    kernel.paged_decode_partials(q, kp, vp, tab, tab, lengths, scale=0.25, backend="mosaic")
