@@ -12,8 +12,13 @@ softmax (FlashAttention-2, Dao 2023). The backward recomputes ``P = exp(S - lse)
 ``dV = P^T dO``, ``dS = P (dO V^T - delta + dlse)``, ``dQ = dS K scale``, ``dK = dS^T Q scale``
 with ``delta = rowsum(dO * O)``.
 
-Triton wants power-of-two sizes: ``B``, ``D`` and ``block_k`` must be powers of two (B >= 16 for
-``tl.dot``); Mosaic TPU accepts the full ``(B, D)`` tiles as blocks.
+Triton ("triton") wants power-of-two sizes: ``B``, ``D`` and ``block_k`` must be powers of two
+(B >= 16 for ``tl.dot``). Mosaic ("mosaic", TPU) takes the full ``(B, D)`` tiles and ``(B, B)``
+bits as blocks (a block's last two dims equal to the array's are always allowed); a key
+sub-block must be the whole tile or a multiple of 128 lanes, since the bits are sliced along
+their lane dim. On Mosaic the bits travel as int32 so the mask shares the 32-bit layout of the
+logits. Row statistics (lse, dlse, m, l) are ``[B, 1]`` columns on both backends, so the lse
+arrays are ``[T, H, B, 1]`` inside the calls (``[T, H, B]`` at their interface).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError, ShapeError
+
+BACKENDS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +50,34 @@ class TileBlocks:
     if self.num_stages <= 0:
       raise ConfigError(f"num_stages={self.num_stages} must be positive")
 
-  def resolve(self, b: int) -> int:
+  def resolve(self, b: int, backend: str = "triton") -> int:
     bk = self.block_k or b
     if b % bk:
       raise ConfigError(f"block_k={bk} must divide the tile size {b}")
+    if backend == "mosaic" and bk != b and bk % 128:
+      raise ConfigError(f"block_k={bk} must be the whole tile ({b}) or a multiple of 128 on "
+                        "Mosaic (the bits are sliced along their lane dim)")
     return bk
+
+
+def resolve_backend(backend: str | None) -> str:
+  """``backend`` or, when None, "mosaic" on a TPU default backend and "triton" otherwise."""
+  if backend is None:
+    return "mosaic" if jax.default_backend() == "tpu" else "triton"
+  if backend not in BACKENDS:
+    raise ConfigError(f"backend={backend!r} must be one of {BACKENDS}")
+  return backend
+
+
+def _loop(n, body, init):
+  """``fori_loop(0, n, body, init)``; one step is traced with a static 0, so the slices it
+  takes are static (Mosaic cannot slice lanes at a dynamic offset that is not 128-aligned)."""
+  return body(0, init) if n == 1 else jax.lax.fori_loop(0, n, body, init)
+
+
+def _key_slice(j, block_k):
+  start = j * block_k if isinstance(j, int) else pl.multiple_of(j * block_k, block_k)
+  return pl.ds(start, block_k)
 
 
 def _dot_t(a, b):  # a [m, d] . b[n, d]^T -> [m, n]
@@ -59,25 +89,25 @@ def _fwd_kernel(q_ref, k_ref, v_ref, bits_ref, o_ref, lse_ref, *, scale, block_k
   q = q_ref[...].astype(jnp.float32)
 
   def body(j, carry):
-    m, l, acc = carry
-    ks = pl.ds(j * block_k, block_k)
+    m, l, acc = carry                                   # [B, 1], [B, 1], [B, D]
+    ks = _key_slice(j, block_k)
     k = k_ref[ks, :].astype(jnp.float32)
     v = v_ref[ks, :].astype(jnp.float32)
     vis = bits_ref[:, ks] != 0
     s = jnp.where(vis, _dot_t(q, k) * scale, -jnp.inf)  # [B, block_k]
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.where(vis, jnp.exp(s - m_safe[:, None]), 0.0)
+    p = jnp.where(vis, jnp.exp(s - m_safe), 0.0)
     alpha = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_safe))
-    l = alpha * l + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
     return m_new, l, acc
 
-  init = (jnp.full((b,), -jnp.inf, jnp.float32), jnp.zeros((b,), jnp.float32),
+  init = (jnp.full((b, 1), -jnp.inf, jnp.float32), jnp.zeros((b, 1), jnp.float32),
           jnp.zeros((b, d), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, b // block_k, body, init)
+  m, l, acc = _loop(b // block_k, body, init)
   safe_l = jnp.where(l > 0, l, 1.0)
-  o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+  o_ref[...] = (acc / safe_l).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
 
 
@@ -86,82 +116,97 @@ def _bwd_kernel(q_ref, k_ref, v_ref, bits_ref, o_ref, lse_ref, do_ref, dlse_ref,
   b, d = q_ref.shape
   q = q_ref[...].astype(jnp.float32)
   do = do_ref[...].astype(jnp.float32)
-  lse = lse_ref[...]
+  lse = lse_ref[...]                                    # [B, 1]
   lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-  delta = jnp.sum(do * o_ref[...].astype(jnp.float32), axis=1) - dlse_ref[...]  # [B]
+  delta = jnp.sum(do * o_ref[...].astype(jnp.float32), axis=1, keepdims=True) - dlse_ref[...]
 
   def body(j, dq):
-    ks = pl.ds(j * block_k, block_k)
+    ks = _key_slice(j, block_k)
     k = k_ref[ks, :].astype(jnp.float32)
     v = v_ref[ks, :].astype(jnp.float32)
     vis = bits_ref[:, ks] != 0
-    p = jnp.where(vis, jnp.exp(_dot_t(q, k) * scale - lse_safe[:, None]), 0.0)  # [B, bk]
+    p = jnp.where(vis, jnp.exp(_dot_t(q, k) * scale - lse_safe), 0.0)  # [B, bk]
     dv_ref[ks, :] = jax.lax.dot_general(p, do, (((0,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32).astype(dv_ref.dtype)
-    ds = p * (_dot_t(do, v) - delta[:, None]) * scale
+    ds = p * (_dot_t(do, v) - delta) * scale
     dk_ref[ks, :] = jax.lax.dot_general(ds, q, (((0,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32).astype(dk_ref.dtype)
     return dq + jnp.dot(ds, k, preferred_element_type=jnp.float32)
 
-  dq = jax.lax.fori_loop(0, b // block_k, body, jnp.zeros((b, d), jnp.float32))
+  dq = _loop(b // block_k, body, jnp.zeros((b, d), jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _specs(t, h, b, d):
   tile = pl.BlockSpec((None, None, b, d), lambda i, j: (i, j, 0, 0))  # [T, H, B, D]
   bits = pl.BlockSpec((None, b, b), lambda i, j: (i, 0, 0))
-  row = pl.BlockSpec((None, None, b), lambda i, j: (i, j, 0))  # [T, H, B]
+  row = pl.BlockSpec((None, None, b, 1), lambda i, j: (i, j, 0, 0))  # [T, H, B, 1]
   return tile, bits, row
 
 
-def _params(blocks):
+def _params(blocks, backend):
+  if backend == "mosaic":
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
   from jax.experimental.pallas import triton as plgpu
   return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def tile_attention_fwd_call(qh, kh, vh, bits, *, scale, blocks: TileBlocks, interpret: bool):
-  """Raw forward pallas_call on head-major tiles ``[T, H, B, D]``, bits int8 ``[T, B, B]``."""
+def _bits(bits, backend):
+  return bits.astype(jnp.int32 if backend == "mosaic" else jnp.int8)
+
+
+def tile_attention_fwd_call(qh, kh, vh, bits, *, scale, blocks: TileBlocks, interpret: bool,
+                            backend: str | None = None):
+  """Raw forward pallas_call on head-major tiles ``[T, H, B, D]``, bits ``[T, B, B]`` ->
+  ``(o [T, H, B, D], lse [T, H, B] float32)``."""
+  backend = resolve_backend(backend)
   t, h, b, d = qh.shape
   tile, bit_spec, row = _specs(t, h, b, d)
-  kernel = functools.partial(_fwd_kernel, scale=scale, block_k=blocks.resolve(b))
-  return pl.pallas_call(
+  kernel = functools.partial(_fwd_kernel, scale=scale, block_k=blocks.resolve(b, backend))
+  o, lse = pl.pallas_call(
       kernel, grid=(t, h), in_specs=[tile, tile, tile, bit_spec], out_specs=[tile, row],
       out_shape=[jax.ShapeDtypeStruct(qh.shape, qh.dtype),
-                 jax.ShapeDtypeStruct((t, h, b), jnp.float32)],
-      interpret=interpret, compiler_params=None if interpret else _params(blocks),
-      name="graph_tile_attention_fwd")(qh, kh, vh, bits)
+                 jax.ShapeDtypeStruct((t, h, b, 1), jnp.float32)],
+      interpret=interpret, compiler_params=None if interpret else _params(blocks, backend),
+      name="graph_tile_attention_fwd")(qh, kh, vh, _bits(bits, backend))
+  return o, lse[..., 0]
 
 
 def tile_attention_bwd_call(qh, kh, vh, bits, oh, lse, doh, dlse, *, scale, blocks: TileBlocks,
-                            interpret: bool):
-  """Raw backward pallas_call: ``(dq, dk, dv)`` head-major tiles."""
+                            interpret: bool, backend: str | None = None):
+  """Raw backward pallas_call: ``(dq, dk, dv)`` head-major tiles (lse, dlse ``[T, H, B]``)."""
+  backend = resolve_backend(backend)
   t, h, b, d = qh.shape
   tile, bit_spec, row = _specs(t, h, b, d)
-  kernel = functools.partial(_bwd_kernel, scale=scale, block_k=blocks.resolve(b))
+  kernel = functools.partial(_bwd_kernel, scale=scale, block_k=blocks.resolve(b, backend))
   return pl.pallas_call(
       kernel, grid=(t, h), in_specs=[tile, tile, tile, bit_spec, tile, row, tile, row],
       out_specs=[tile, tile, tile],
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (qh, kh, vh)],
-      interpret=interpret, compiler_params=None if interpret else _params(blocks),
-      name="graph_tile_attention_bwd")(qh, kh, vh, bits, oh, lse, doh, dlse)
+      interpret=interpret, compiler_params=None if interpret else _params(blocks, backend),
+      name="graph_tile_attention_bwd")(qh, kh, vh, _bits(bits, backend), oh, lse[..., None],
+                                       doh, dlse[..., None])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _tile_attention(qh, kh, vh, bits, scale, blocks, interpret):
-  return tile_attention_fwd_call(qh, kh, vh, bits, scale=scale, blocks=blocks, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _tile_attention(qh, kh, vh, bits, scale, blocks, interpret, backend):
+  return tile_attention_fwd_call(qh, kh, vh, bits, scale=scale, blocks=blocks,
+                                 interpret=interpret, backend=backend)
 
 
-def _tile_attention_fwd(qh, kh, vh, bits, scale, blocks, interpret):
-  o, lse = tile_attention_fwd_call(qh, kh, vh, bits, scale=scale, blocks=blocks, interpret=interpret)
+def _tile_attention_fwd(qh, kh, vh, bits, scale, blocks, interpret, backend):
+  o, lse = tile_attention_fwd_call(qh, kh, vh, bits, scale=scale, blocks=blocks,
+                                   interpret=interpret, backend=backend)
   return (o, lse), (qh, kh, vh, bits, o, lse)
 
 
-def _tile_attention_bwd(scale, blocks, interpret, res, cts):
+def _tile_attention_bwd(scale, blocks, interpret, backend, res, cts):
   qh, kh, vh, bits, o, lse = res
   do, dlse = cts
   dq, dk, dv = tile_attention_bwd_call(qh, kh, vh, bits, o, lse, do.astype(o.dtype),
                                        dlse.astype(jnp.float32), scale=scale, blocks=blocks,
-                                       interpret=interpret)
+                                       interpret=interpret, backend=backend)
   return dq, dk, dv, None
 
 
@@ -169,15 +214,20 @@ _tile_attention.defvjp(_tile_attention_fwd, _tile_attention_bwd)
 
 
 def tile_attention(qt, kt, vt, bits, *, scale: float, blocks: TileBlocks | None = None,
-                   interpret: bool = False):
+                   interpret: bool = False, backend: str | None = None):
   """Masked attention per tile: ``qt, kt, vt [T, B, H, D]``, ``bits bool [T, B, B]`` ->
-  ``(o [T, B, H, D], lse [T, H, B] float32)``; differentiable (custom VJP)."""
+  ``(o [T, B, H, D], lse [T, H, B] float32)``; differentiable (custom VJP).
+
+  ``backend``: "triton", "mosaic" or None (Mosaic on a TPU default backend, else Triton).
+  """
   blocks = blocks or TileBlocks()
+  backend = resolve_backend(backend)
   if qt.ndim != 4 or kt.shape != qt.shape or vt.shape != qt.shape:
     raise ShapeError(f"qt/kt/vt must share [T, B, H, D], got {qt.shape}, {kt.shape}, {vt.shape}")
   t, b, h, d = qt.shape
   if bits.shape != (t, b, b):
     raise ShapeError(f"bits must be [T={t}, B={b}, B={b}], got {bits.shape}")
   qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (qt, kt, vt))  # [T, H, B, D]
-  o, lse = _tile_attention(qh, kh, vh, bits.astype(jnp.int8), float(scale), blocks, interpret)
+  blocks.resolve(b, backend)  # a bad block_k is a ConfigError before tracing the VJP
+  o, lse = _tile_attention(qh, kh, vh, _bits(bits, backend), float(scale), blocks, interpret, backend)
   return jnp.swapaxes(o, 1, 2), lse
