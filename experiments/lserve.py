@@ -138,7 +138,7 @@ def memory_rows(ctx: int = 65536) -> list[Row]:
 def prefill_rows(quick: bool) -> list[Row]:
   """(b) prefill attention with the hybrid per-head mask vs dense causal, and its ideal."""
   from jaxsys.ops import attention, masks
-  from jaxsys.ops.attention import layout as layout_lib
+  from jaxsys.ops.attn import layout as layout_lib
   from jaxsys.serving.prefill import hybrid_attention
   heads, kv = (8, 2) if quick else (HEADS, KV_HEADS)
   lengths = (4096,) if quick else (8192, 16384, 32768)

@@ -36,7 +36,7 @@ def version() -> str:
 
 def _info(_args) -> int:
   import jax
-  from jaxsys.ops.attention import api
+  from jaxsys.ops.attn import api
   print(f"jaxsys {version()}")
   print(f"jax {jax.__version__} ({jax.default_backend()})")
   for d in jax.devices():

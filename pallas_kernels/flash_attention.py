@@ -13,7 +13,7 @@ carries per-block constants (e.g. block-sparse layout bits). On Triton the table
 blocked inputs; on TPU they are scalar-prefetched into SMEM (``PrefetchScalarGridSpec``).
 
 Layout: q/out ``[b, h, Tq, d]``, k/v ``[b, hk, Tk, d]`` with lengths padded to block multiples
-(the XLA twin is ``jaxsys.ops.attention.xla``; the wrapper is ``jaxsys.ops.attention.pallas``).
+(the XLA twin is ``jaxsys.ops.attn.xla``; the wrapper is ``jaxsys.ops.attn.pallas``).
 Query head ``h`` reads kv head ``h // (heads // kv_heads)``; each program holds its kv head's
 full K/V rows and slices the visited tiles, so memory is linear in length.
 """

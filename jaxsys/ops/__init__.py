@@ -2,16 +2,14 @@
 
 Each op has one public function dispatching on ``impl="auto" | "xla" | "pallas" |
 "pallas_interpret"`` through ``jaxsys.core.dispatch``. Modules are named apart from the functions
-they export (``graph_attn`` / ``graph_attention``, ``quantized_agg`` / ``quantized_aggregate``), so
-``jaxsys.ops.<function>`` is always the function. The one exception is the ``attention`` package,
-whose function ``jaxsys.ops.attention`` is bound here over it: import its modules with
-``from jaxsys.ops.attention import api`` (not ``import jaxsys.ops.attention.api``).
+they export (``attn`` / ``attention``, ``graph_attn`` / ``graph_attention``, ``quantized_agg`` /
+``quantized_aggregate``), so ``jaxsys.ops.<function>`` is always the function.
 """
 
 from jaxsys._lazy import lazy_exports
 
 _getattr, __dir__ = lazy_exports(__name__, {
-    "masks": "masks",
+    "attention": "attn",
     "sparse_graph_attention": "graph_attn",
     "graph_attention": "graph_attn",
     "segment_softmax": "graph_attn",
@@ -22,10 +20,7 @@ _getattr, __dir__ = lazy_exports(__name__, {
     "checked": "ids",
 })
 
-
-# Bound eagerly: importing the ``attention`` subpackage would otherwise shadow the function.
-from jaxsys.ops import masks  # noqa: E402
-from jaxsys.ops.attention.api import attention  # noqa: E402
+from jaxsys.ops import masks  # noqa: E402  (the mask vocabulary, used with every op)
 
 
 def __getattr__(name):

@@ -377,7 +377,7 @@ def _tiles_pallas(q, k, v, tiles, scale, chunk, interpret=False):
 
 def _tiles_via_attention_op(q, k, v, tiles, scale, chunk):
   del chunk
-  from jaxsys.ops.attention.api import attention
+  from jaxsys.ops.attn.api import attention
   if any(isinstance(x, jax.core.Tracer) for x in tiles):
     raise NotImplementedError("impl='attention_op' needs concrete tiles (the BlockSparse layout is static)")
   n = q.shape[0]
@@ -428,7 +428,7 @@ def dense_graph_attention(q, k, v, *, segment_ids=None, node_mask=None, scale=No
   """
   _check_qkv(q, k, v)
   _check_self(q, k)
-  from jaxsys.ops.attention.api import attention
+  from jaxsys.ops.attn.api import attention
   n = q.shape[0]
   seg = jnp.zeros((n,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   if seg.shape != (n,):

@@ -33,8 +33,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import place, program_mesh
-from jaxsys.ops.attention.api import attention
-from jaxsys.ops.attention.common import validate
+from jaxsys.ops.attn.api import attention
+from jaxsys.ops.attn.common import validate
 from jaxsys.parallel import zigzag as zz
 from jaxsys.parallel.hybrid import hybrid_attention_shard
 from jaxsys.parallel.ring import check_relative_mask, ring_attention_shard

@@ -165,7 +165,7 @@ def _dense_shard_attention(q, k, v, node_mask, axis, strategy, num_parts):
   """Global attention over all shards; padding slots are invisible keys."""
   seg = jnp.where(node_mask, 0, -1)[None]  # [1, n_local]
   if strategy == "allgather":
-    from jaxsys.ops.attention import attention
+    from jaxsys.ops.attn import attention
     kg = jax.lax.all_gather(k, axis, axis=0, tiled=True)
     vg = jax.lax.all_gather(v, axis, axis=0, tiled=True)
     sg = jax.lax.all_gather(seg, axis, axis=1, tiled=True)

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxsys.core.errors import check_min
 from jaxsys.ops import masks as masks_lib
-from jaxsys.ops.attention.api import attention
+from jaxsys.ops.attn.api import attention
 from jaxsys.ops.merge import merge_lse
 from jaxsys.parallel import zigzag as zz
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.core.errors import ShapeError
-from jaxsys.ops.attention.api import attention
+from jaxsys.ops.attn.api import attention
 
 
 def check_heads(heads: int, kv_heads: int, size: int, what: str = "ulysses degree"):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.core.errors import ConfigError, InputError, check_min
 from jaxsys.serving import lserve as lserve_lib
 from jaxsys.decoding.core import bucket, check_prompts, context_length, describe_context
 from jaxsys.decoding.sampling import SamplingParams, sample_logits
@@ -64,9 +64,7 @@ class ServingConfig:
   min_prompt_bucket: int = 16
 
   def __post_init__(self):
-    for name in ("max_batch", "num_pages", "max_seq_len", "prefill_chunk", "min_prompt_bucket"):
-      if int(getattr(self, name)) < 1:
-        raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+    check_min(self, 1, "max_batch", "num_pages", "max_seq_len", "prefill_chunk", "min_prompt_bucket")
     if self.max_seq_len > self.num_pages * self.lserve.page_size:
       raise ConfigError(f"max_seq_len={self.max_seq_len} exceeds the pool: num_pages={self.num_pages} "
                         f"x page_size={self.lserve.page_size}")
@@ -112,12 +110,10 @@ class ServingEngine:
       if flags.shape != (mc.num_layers, mc.num_kv_heads):
         raise ConfigError(f"streaming flags have shape {flags.shape}; expected "
                           f"(num_layers={mc.num_layers}, num_kv_heads={mc.num_kv_heads})")
-    self.cache_config = PagedCacheConfig(
+    self.cache_config = ls.cache_config(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        num_pages=config.num_pages, page_size=ls.page_size, logical_page_size=ls.logical_page_size,
-        max_requests=config.max_batch, sink=ls.sink, window=ls.window,
-        streaming=None if flags is None else tuple(map(tuple, flags)),
-        dtype=str(jnp.dtype(mc.dtype)), kv_int8=ls.kv_int8)
+        num_pages=config.num_pages, max_requests=config.max_batch,
+        streaming=None if flags is None else tuple(map(tuple, flags)), dtype=str(jnp.dtype(mc.dtype)))
     check_model(model, self.cache_config)
     self.selection = ls.selection
     self.max_seq_len = min(config.max_seq_len, context_length(mc))

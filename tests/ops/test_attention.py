@@ -13,7 +13,7 @@ import pytest
 from jaxsys.core.bench import compiled_memory
 from jaxsys.core.errors import InputError, ShapeError
 from jaxsys.ops import attention, masks as M
-from jaxsys.ops.attention import common, layout, reference, xla
+from jaxsys.ops.attn import common, layout, reference, xla
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -130,7 +130,7 @@ def test_public_api_auto_uses_blockwise_on_cpu():
   o_r, l_r = fast_compile(run("reference"), q, k, v)(q, k, v)
   np.testing.assert_allclose(out, o_r, atol=1e-5)
   np.testing.assert_allclose(lse, l_r, atol=1e-5)
-  from jaxsys.ops.attention import api
+  from jaxsys.ops.attn import api
   assert api._load("xla") is xla.blockwise_attention
   with pytest.raises(NotImplementedError, match="GPU or TPU"):
     attention(q, k, v, impl="pallas")
@@ -189,7 +189,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_multihead_mask_is_split_per_kv_head_group():
   """Heads uniform within each kv group run as one call per distinct mask (fewer visited blocks),
   with output, lse and gradients equal to the single naive call."""
-  from jaxsys.ops.attention import api
+  from jaxsys.ops.attn import api
   stream = M.Sink(2) | M.Local(6)
   # 8 query heads over 4 kv heads: kv groups 0 and 2 stream, 1 and 3 are causal (interleaved)
   mask = M.MultiHead([stream, stream, M.Causal(), M.Causal()] * 2)

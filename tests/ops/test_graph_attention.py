@@ -32,7 +32,7 @@ def dense_masked(q, k, v, senders, receivers):
   layout = np.ones((1, 1, 1), bool)
   tok = GA.AdjacencyMask(np.zeros((1, 1), np.int32), adj[None])
   mask = masks.BlockSparse(layout, n, n, token_mask=tok)
-  from jaxsys.ops.attention import attention
+  from jaxsys.ops.attn import attention
   out, lse = attention(q[None], k[None], v[None], mask=mask, impl="reference", return_lse=True)
   return out[0], jnp.swapaxes(lse[0], 0, 1)
 

@@ -5,7 +5,7 @@ import pytest
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import masks as M
-from jaxsys.ops.attention import layout as L
+from jaxsys.ops.attn import layout as L
 
 
 def test_mask_semantics_dense():

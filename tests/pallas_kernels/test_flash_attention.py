@@ -9,7 +9,7 @@ import pytest
 from jax import export
 
 from jaxsys.ops import attention, masks as M
-from jaxsys.ops.attention import common, pallas as P, reference
+from jaxsys.ops.attn import common, pallas as P, reference
 from pallas_kernels import flash_attention as fa
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

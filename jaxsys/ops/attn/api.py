@@ -21,13 +21,13 @@ import numpy as np
 
 from jaxsys.core.dispatch import Dispatcher, auto_order  # noqa: F401  (auto_order: part of this API)
 from jaxsys.ops import masks as masks_lib
-from jaxsys.ops.attention.common import AttentionArgs, validate
+from jaxsys.ops.attn.common import AttentionArgs, validate
 
 ATTENTION = Dispatcher("attention", {
-    "xla": "jaxsys.ops.attention.xla:blockwise_attention",
-    "pallas": "jaxsys.ops.attention.pallas:pallas_compiled",
-    "pallas_interpret": "jaxsys.ops.attention.pallas:pallas_interpreted",
-    "reference": "jaxsys.ops.attention.reference:attention_reference",  # explicit only, never auto
+    "xla": "jaxsys.ops.attn.xla:blockwise_attention",
+    "pallas": "jaxsys.ops.attn.pallas:pallas_compiled",
+    "pallas_interpret": "jaxsys.ops.attn.pallas:pallas_interpreted",
+    "reference": "jaxsys.ops.attn.reference:attention_reference",  # explicit only, never auto
 })
 IMPLS = ATTENTION.names  # ("auto", "xla", "pallas", "pallas_interpret", "reference")
 register = ATTENTION.register

@@ -37,9 +37,9 @@ import numpy as np
 from jax import lax
 
 from jaxsys.core.errors import check_positive
-from jaxsys.ops.attention import reference
-from jaxsys.ops.attention import layout as layout_lib
-from jaxsys.ops.attention.common import AttentionArgs
+from jaxsys.ops.attn import reference
+from jaxsys.ops.attn import layout as layout_lib
+from jaxsys.ops.attn.common import AttentionArgs
 
 _F32 = jnp.float32
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsys.ops.attention.common import AttentionArgs, visible_mask
+from jaxsys.ops.attn.common import AttentionArgs, visible_mask
 
 
 def attention_reference(args: AttentionArgs, precision=jax.lax.Precision.HIGHEST):

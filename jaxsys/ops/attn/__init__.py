@@ -1,5 +1,5 @@
 """Attention: one op, one folder; a file per backend (``reference``, ``xla``, ``pallas``)."""
 
-from jaxsys.ops.attention.api import attention
+from jaxsys.ops.attn.api import attention
 
 __all__ = ["attention"]

@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxsys.core.dispatch import require_backend
 from jaxsys.ops import masks as M
-from jaxsys.ops.attention import layout as layout_lib
-from jaxsys.ops.attention.common import AttentionArgs
+from jaxsys.ops.attn import layout as layout_lib
+from jaxsys.ops.attn.common import AttentionArgs
 from pallas_kernels import flash_attention as fa
 
 BlockSizes = fa.BlockSizes
