@@ -49,3 +49,50 @@ def test_block_validation():
     AggregateBlock(block_nodes=12)
   with pytest.raises(ConfigError, match="num_warps"):
     AggregateBlock(num_warps=3)
+
+
+# ----------------------------------------------------------------------------- Mosaic (TPU)
+
+
+@pytest.mark.parametrize("signed,bits,aggregation,block", [
+    (True, [3, 8], "gcn", AggregateBlock()),
+    (False, [1, 5], "sum", AggregateBlock(block_nodes=16)),
+])
+def test_mosaic_path_interpret_matches_xla_twin(signed, bits, aggregation, block):
+  from jaxsys.ops.quantized_agg import _sum_groups, _xla_group, plan_aggregation
+  from pallas_kernels.quantized_aggregate import group_aggregate
+  pk, s, r = make_case(signed, bits)
+  plan = plan_aggregation(pk, (s, r), aggregation)
+  ref = _sum_groups(pk, plan, lambda w, sc, ge, b: _xla_group(
+      w, sc, ge, b, pk.num_features, pk.signed, pk.num_nodes))
+  out = _sum_groups(pk, plan, lambda w, sc, ge, b: group_aggregate(
+      w, sc, ge, bits=b, num_features=pk.num_features, signed=pk.signed,
+      num_nodes=pk.num_nodes, block=block, interpret=True, backend="mosaic"))
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _kernel_args(nodes=64, edges=128, rows=32, words=8):
+  return (jnp.zeros(nodes, jnp.int32), jnp.zeros(nodes, jnp.int32), jnp.zeros(edges, jnp.int32),
+          jnp.zeros(edges, jnp.float32), jnp.zeros((rows, words), jnp.uint32),
+          jnp.zeros(rows, jnp.float32))
+
+
+@pytest.mark.parametrize("block", [AggregateBlock(), AggregateBlock(block_nodes=32)])
+@pytest.mark.parametrize("bits", [3, 8])
+def test_lowers_for_tpu(block, bits):
+  fn = lambda *a: aggregate_group_kernel(*a, bits=bits, signed=True, block=block,
+                                         interpret=False, backend="mosaic")
+  text = jax.export.export(jax.jit(fn), platforms=["tpu"])(*_kernel_args()).mlir_module()
+  assert "tpu_custom_call" in text and f"quantized_aggregate_b{bits}" in text
+
+
+def test_mosaic_refuses_a_graph_beyond_its_on_chip_budget():
+  from pallas_kernels import quantized_aggregate as kernel
+  edges = kernel.TPU_SMEM_BUDGET_BYTES // 8
+  with pytest.raises(NotImplementedError, match="SMEM"):
+    aggregate_group_kernel(*_kernel_args(edges=edges), bits=4, signed=False,
+                           block=AggregateBlock(), interpret=True, backend="mosaic")
+  rows = kernel.TPU_VMEM_BUDGET_BYTES // (2 * 128 * 4) + 8
+  with pytest.raises(NotImplementedError, match="VMEM"):
+    aggregate_group_kernel(*_kernel_args(rows=rows), bits=4, signed=False,
+                           block=AggregateBlock(), interpret=True, backend="mosaic")
