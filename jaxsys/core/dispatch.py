@@ -11,6 +11,11 @@ and its public function calls ``dispatcher(impl, *args, **kwargs)``:
   lists every implementation tried and its reason -- for an explicit impl, the one reason;
 * a name that is not one of the op's implementations raises ``ConfigError`` listing the choices.
 
+The Pallas kernels pick Triton on GPU and Mosaic on TPU themselves (``backend=None``). A kernel
+that cannot serve a call on TPU -- inputs beyond its on-chip (SMEM/VMEM) budget, a pattern
+Mosaic cannot express -- raises ``NotImplementedError`` like any other refusal, so ``"auto"``
+serves the call with the op's XLA twin there.
+
 An implementation is a callable or a ``"module:function"`` string imported on first use (an
 import error propagates: a broken backend is never silently replaced by another one).
 """

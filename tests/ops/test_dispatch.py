@@ -127,8 +127,8 @@ def test_public_names_are_the_functions_whatever_the_import_order():
   import importlib
 
   import jaxsys.ops as ops
-  for module in ("graph_attn", "quantized_agg", "paged_attention", "merge", "ids", "attention.api",
-                 "attention.xla", "attention.pallas", "attention.reference"):
+  for module in ("graph_attn", "quantized_agg", "paged_attention", "merge", "ids", "attn.api",
+                 "attn.xla", "attn.pallas", "attn.reference"):
     importlib.import_module(f"jaxsys.ops.{module}")
   for _ in range(2):
     from jaxsys.ops import attention, graph_attention, quantized_aggregate
@@ -149,3 +149,71 @@ def test_kernels_import_nothing_from_jaxsys():
                else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
       assert not any(n == "jaxsys" or n.startswith("jaxsys.") for n in names), (path.name, names)
   assert errors.ConfigError is kernel_errors.ConfigError and errors.ShapeError is kernel_errors.ShapeError
+
+
+def _shrink_tpu_budgets(monkeypatch):
+  """On-chip budgets of the Mosaic kernels set to nothing: every Mosaic launch is refused."""
+  from pallas_kernels import page_select, paged_attention, quantized_aggregate
+  for module in (page_select, paged_attention, quantized_aggregate):
+    monkeypatch.setattr(module, "TPU_SMEM_BUDGET_BYTES", 0)
+
+
+def _tpu_fallback_cases():
+  """(dispatcher, call(impl)) for the ops whose Mosaic kernels refuse inputs beyond SMEM/VMEM."""
+  from jaxsys.ops import paged_attention, quantized_agg
+  from jaxsys.quant.packing import pack_features
+  from jaxsys.serving import page_select
+  rng = np.random.default_rng(0)
+  kp = jnp.asarray(rng.standard_normal((3, 1, 4, 8)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((1, 2, 8)), jnp.float32)
+  idx, num = jnp.asarray([[[2, 0]]], jnp.int32), jnp.asarray([[[0, 1]]], jnp.int32)
+  z = jnp.asarray(rng.standard_normal((3, 1, 2, 8)), jnp.float32)
+  pk = pack_features(np.abs(rng.standard_normal((6, 5))).astype(np.float32), np.full(6, 4),
+                     np.ones(6), signed=False)
+  s, r = np.array([0, 1, 2, 5]), np.array([1, 2, 3, 0])
+  return {
+      "paged_decode_attention": (paged_attention.PAGED_DECODE, lambda impl: (
+          paged_attention.paged_decode_attention(q, kp, kp, idx, num, jnp.asarray([7]),
+                                                 impl=impl))),
+      "page_scores": (page_select.PAGE_SCORES, lambda impl: page_select.page_scores(
+          q, -z, z, jnp.asarray([[2, 0]], jnp.int32), jnp.asarray([9]), page_size=8,
+          logical_page_size=4, impl=impl)),
+      "quantized_aggregate": (quantized_agg.QUANTIZED_AGGREGATE, lambda impl: (
+          quantized_agg.quantized_aggregate(pk, (s, r), impl=impl))),
+  }
+
+
+@pytest.mark.parametrize("op", ["paged_decode_attention", "page_scores", "quantized_aggregate"])
+def test_tpu_auto_falls_back_to_the_xla_twin_when_the_mosaic_kernel_refuses(monkeypatch, op):
+  """On TPU, auto tries the Pallas kernel first; a kernel that cannot serve (here: inputs beyond
+  its on-chip budget) raises NotImplementedError and the XLA twin serves the call."""
+  dispatcher, call = _tpu_fallback_cases()[op]
+  ref = call("xla")
+  ran = []
+  xla = dispatcher.get("xla")
+  monkeypatch.setitem(dispatcher._impls, "xla", lambda *a, **k: ran.append(1) or xla(*a, **k))
+  _shrink_tpu_budgets(monkeypatch)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert dispatch.auto_order() == ("pallas", "xla")
+  np.testing.assert_array_equal(call("auto"), ref)
+  assert ran == [1]
+
+
+def test_tpu_kernel_refusal_reaches_the_dispatcher_with_its_reason(monkeypatch):
+  """The Mosaic kernels resolve their backend from the default backend: on "tpu" the group
+  aggregation takes the Mosaic path, whose budget refusal is the reason the dispatcher lists."""
+  from jaxsys.ops.quantized_agg import _sum_groups, _xla_group, plan_aggregation
+  from jaxsys.quant.packing import pack_features
+  from pallas_kernels.quantized_aggregate import group_aggregate
+  pk = pack_features(np.ones((4, 3), np.float32), np.full(4, 2), np.ones(4), signed=False)
+  plan = plan_aggregation(pk, (np.array([0, 1]), np.array([1, 2])), "sum")
+  kw = dict(num_features=pk.num_features, signed=pk.signed, num_nodes=pk.num_nodes)
+  op = Dispatcher("group_aggregate", {
+      "xla": lambda: _sum_groups(pk, plan, lambda w, sc, ge, b: _xla_group(w, sc, ge, b, *kw.values())),
+      "pallas": lambda: _sum_groups(pk, plan, lambda w, sc, ge, b: group_aggregate(
+          w, sc, ge, bits=b, interpret=True, **kw))})
+  _shrink_tpu_budgets(monkeypatch)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(ImplementationError, match=r"pallas: the Mosaic quantized aggregation .*SMEM"):
+    op("pallas")
+  np.testing.assert_array_equal(op("auto"), op("xla"))

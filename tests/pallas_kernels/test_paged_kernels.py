@@ -123,7 +123,7 @@ def _merged(o, m, l, g):
   return out[:, :, :g].reshape(b, hk * g, -1), lse[:, :, :g].reshape(b, hk * g)
 
 
-@pytest.mark.parametrize("splits,stream", [(1, False), (2, True), (3, False)])
+@pytest.mark.parametrize("splits,stream", [(2, True), (3, False)])
 def test_paged_decode_mosaic_interpret_matches_xla(splits, stream):
   from pallas_kernels.paged_attention import paged_decode_partials
   q, kp, vp, idx, num, lengths = _decode_inputs()
