@@ -229,5 +229,6 @@ def tile_attention(qt, kt, vt, bits, *, scale: float, blocks: TileBlocks | None 
     raise ShapeError(f"bits must be [T={t}, B={b}, B={b}], got {bits.shape}")
   qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (qt, kt, vt))  # [T, H, B, D]
   blocks.resolve(b, backend)  # a bad block_k is a ConfigError before tracing the VJP
-  o, lse = _tile_attention(qh, kh, vh, _bits(bits, backend), float(scale), blocks, interpret, backend)
+  o, lse = _tile_attention(qh, kh, vh, _bits(bits, backend), float(scale), blocks, interpret,
+                           backend)
   return jnp.swapaxes(o, 1, 2), lse

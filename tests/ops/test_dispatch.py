@@ -209,7 +209,8 @@ def test_tpu_kernel_refusal_reaches_the_dispatcher_with_its_reason(monkeypatch):
   plan = plan_aggregation(pk, (np.array([0, 1]), np.array([1, 2])), "sum")
   kw = dict(num_features=pk.num_features, signed=pk.signed, num_nodes=pk.num_nodes)
   op = Dispatcher("group_aggregate", {
-      "xla": lambda: _sum_groups(pk, plan, lambda w, sc, ge, b: _xla_group(w, sc, ge, b, *kw.values())),
+      "xla": lambda: _sum_groups(pk, plan, lambda w, sc, ge, b: _xla_group(
+          w, sc, ge, b, kw["num_features"], kw["signed"], kw["num_nodes"])),
       "pallas": lambda: _sum_groups(pk, plan, lambda w, sc, ge, b: group_aggregate(
           w, sc, ge, bits=b, interpret=True, **kw))})
   _shrink_tpu_budgets(monkeypatch)
