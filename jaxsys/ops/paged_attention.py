@@ -79,7 +79,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, leng
 def _pallas_impl(q, k_pages, v_pages, page_indices, page_numbers, lengths, *, sink, window, scale,
                  k_scales, v_scales, num_splits, interpret=False):
   if not interpret:
-    require_backend("paged decode attention", ("gpu",), "GPU (Triton)")
+    require_backend("paged decode attention")  # Triton on GPU, Mosaic on TPU
   if k_scales is not None:
     raise NotImplementedError("the Pallas paged decode kernel reads float pages only; "
                               "int8 pages use impl='xla'")

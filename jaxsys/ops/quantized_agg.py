@@ -178,7 +178,8 @@ def quantized_aggregate(packed, graph=None, *, aggregation: str = "sum", impl: s
       (``ShapeError`` / ``InputError``); under jit the plan (built outside) carries checked ids.
     aggregation: "sum" | "mean" | "gcn".
     impl: "auto" | "xla" | "pallas" | "pallas_interpret" (``jaxsys.core.dispatch``; the compiled
-      kernel is written for GPU (Triton): elsewhere auto runs "xla").
+      kernel lowers to Triton on GPU and Mosaic on TPU, falling back to "xla" past its on-chip
+      memory budget; on CPU auto runs "xla").
     plan: a precomputed ``plan_aggregation(packed, graph, aggregation)`` (needed under jit).
     block: ``pallas_kernels.quantized_aggregate.AggregateBlock`` for the Pallas kernel.
   """
@@ -211,7 +212,7 @@ def _xla_impl(packed, plan, block):
 
 def _pallas_impl(packed, plan, block, interpret=False):
   if not interpret:
-    require_backend("quantized_aggregate", ("gpu",), "GPU (Triton)")
+    require_backend("quantized_aggregate")  # Triton on GPU, Mosaic on TPU
   from pallas_kernels.quantized_aggregate import group_aggregate
   return _sum_groups(packed, plan, lambda w, sc, ge, bits: group_aggregate(
       w, sc, ge, bits=bits, num_features=packed.num_features, signed=packed.signed,

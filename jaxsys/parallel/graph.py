@@ -251,11 +251,12 @@ def graph_parallel_loss(model, plan: GraphPartitionPlan, mesh: Mesh, labels, tra
   return jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def make_train_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx, *, axis: str = "graph",
-                    dense_strategy: str = "ring"):
+def make_graph_parallel_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx, *,
+                             axis: str = "graph", dense_strategy: str = "ring"):
   """A jitted ``step(graphdef, params, rest, opt_state, (labels, mask), dense_step)`` ->
   ``(params, opt_state, loss)`` training a ``GraphTransformer`` whose forward runs under
   ``shard_map`` (graph arrays are passed as arguments, not constants)."""
+  from jaxsys.train import apply_optax
   arrays = plan_arrays(plan, mesh, axis)
 
   def step(graphdef, params, rest, opt_state, batch, dense_step):
@@ -272,9 +273,7 @@ def make_train_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx, *, axis:
                                  arrays=arrays)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer_tx.update(grads, opt_state, params)
-    import optax
-    params = optax.apply_updates(params, updates)
+    params, opt_state = apply_optax(optimizer_tx, grads, opt_state, params)
     return params, opt_state, loss
 
   return step

@@ -80,7 +80,7 @@ def page_scores(q, kmin, kmax, block_table, lengths, *, page_size: int, logical_
 def _pallas_impl(q, kmin, kmax, block_table, lengths, *, page_size, logical_page_size,
                  interpret=False):
   if not interpret:
-    require_backend("page_scores", ("gpu",), "GPU (Triton)")
+    require_backend("page_scores")  # Triton on GPU, Mosaic on TPU
   from pallas_kernels import page_select as kernel
   return kernel.page_scores_pallas(q, kmin, kmax, block_table, lengths, page_size=page_size,
                                    logical_page_size=logical_page_size, interpret=interpret)

@@ -37,6 +37,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import attention, masks
+from jaxsys.train import apply_optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,6 @@ def _gate_step(graphdef, params, alpha, opt_state, tokens, answer, opt, sink, wi
     return mse + l1 * jnp.mean(jnp.abs(a)), mse
 
   (loss, mse), grad = jax.value_and_grad(loss_fn, has_aux=True)(alpha)
-  updates, opt_state = opt.update(grad, opt_state, alpha)
-  alpha = jnp.clip(optax.apply_updates(alpha, updates), 0.0, 1.0)
+  alpha, opt_state = apply_optax(opt, grad, opt_state, alpha)
+  alpha = jnp.clip(alpha, 0.0, 1.0)  # projected: gates stay in [0, 1]
   return alpha, opt_state, mse

@@ -132,7 +132,7 @@ def test_halo_exchange_delivers_only_requested_rows(devices):
 
 
 def test_train_step_under_shard_map_reduces_loss(ds, devices):
-  from jaxsys.parallel.graph import make_train_step
+  from jaxsys.parallel.graph import make_graph_parallel_step
   cfg = GraphTransformerConfig(8, 3, hidden=8, num_heads=2, num_layers=1, dropout=0.0,
                                input_dropout=0.0, attention="sparse")
   model = GraphTransformer(cfg, rngs=nnx.Rngs(1))
@@ -142,7 +142,7 @@ def test_train_step_under_shard_map_reduces_loss(ds, devices):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   opt_state = tx.init(params)
   batch = (jnp.asarray(plan.to_slots(ds.labels)), jnp.asarray(plan.to_slots(ds.train_mask, False)))
-  step = make_train_step(plan, mesh, tx)
+  step = make_graph_parallel_step(plan, mesh, tx)
   losses = []
   for _ in range(6):
     params, opt_state, loss = step(graphdef, params, rest, opt_state, batch, False)
