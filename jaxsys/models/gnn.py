@@ -27,8 +27,8 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, GATConv, GCNConv, GINConv,
-                                 QuantLinear, WeightQuantizer)
+from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, QuantGATConv, QuantGCNConv,
+                                 QuantGINConv, QuantLinear, WeightQuantizer)
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant import a2q
 from jaxsys.quant.random import hash_dropout
@@ -74,13 +74,13 @@ class GNN(nnx.Module):
       kw = dict(num_nodes=num_nodes, quant=cfg.quant, rngs=rngs,
                 init_bits=init_bits[i] if init_bits is not None else None)
       if cfg.kind == "gcn":
-        layers.append(GCNConv(dims[i], dims[i + 1], **kw))
+        layers.append(QuantGCNConv(dims[i], dims[i + 1], **kw))
       elif cfg.kind == "gin":
-        layers.append(GINConv(dims[i], dims[i + 1], **kw))
+        layers.append(QuantGINConv(dims[i], dims[i + 1], **kw))
       else:
         heads = 1 if last else cfg.heads
         din = dims[i] if i == 0 else cfg.hidden * cfg.heads
-        layers.append(GATConv(din, dims[i + 1], heads=heads, concat=not last, **kw))
+        layers.append(QuantGATConv(din, dims[i + 1], heads=heads, concat=not last, **kw))
     self.layers = nnx.List(layers)
 
   def __call__(self, x, edges, *, train: bool = False, seed=0):

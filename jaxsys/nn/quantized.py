@@ -229,7 +229,3 @@ class QuantGATConv(nnx.Module):
     out = out.reshape(n, -1) if self.concat else out.mean(axis=1)
     return out + self.bias[...], info
 
-
-# Former names, kept while callers move to the ``Quant*`` names (``jaxsys.nn.graph`` has its own
-# float ``GCNConv``; two public classes must not share a name).
-GCNConv, GINConv, GATConv = QuantGCNConv, QuantGINConv, QuantGATConv
