@@ -3,20 +3,9 @@
 Each module ``experiments/<name>.py`` defines ``run(quick: bool, out_dir: str) -> list[Row]``
 (it writes ``<out_dir>/<name>/result.json`` and plots through ``jaxsys.core.results``) and is
 runnable alone as ``python -m experiments.<name> [--quick] [--out DIR]``.
-``jaxsys reproduce`` runs every registered experiment in its own process.
+``jaxsys reproduce`` runs every registered experiment in its own process. The registry lives in
+``jaxsys.experiments`` (the library's namespace: a user's own ``experiments`` package cannot
+shadow it) and is re-exported here.
 """
 
-# name -> (module, system, one-line description). Order is the order of the table.
-REGISTRY: dict[str, tuple[str, str, str]] = {
-    "attention": ("experiments.attention", "foundation", "blockwise / block-sparse attention vs naive and peers"),
-    "decode_speed": ("experiments.decode_speed", "decoder LM", "greedy decode tokens/s, jaxsys vs transformers"),
-    "real_lm": ("experiments.real_lm", "decoder LM", "SmolLM2-135M: decode/prefill vs llama.cpp, passkey, bf16/int8 weights"),
-    "tiny_lm": ("experiments.tiny_lm_eval", "decoder LM", "tiny trained model: recall vs context length, RoPE scaling"),
-    "mmsp": ("experiments.mmsp", "LongVILA MM-SP", "sequence-parallel attention: comm bytes, memory, step time, balance"),
-    "vniah": ("experiments.vniah", "LongVILA MM-SP", "video needle-in-a-haystack before/after long-context extension"),
-    "lserve": ("experiments.lserve", "LServe", "sparse decode/prefill attention and engine vs dense"),
-    "tlt": ("experiments.tlt", "TLT", "speculative decoding acceptance and GRPO rollout speedup"),
-    "torchgt": ("experiments.torchgt", "TorchGT", "graph transformer accuracy and attention scaling"),
-    "gnn_quant": ("experiments.gnn_quant", "A2Q / MEGA / Sylvie / PalQuant", "quantized GNNs and 1-bit communication"),
-    "cluster": ("experiments.cluster", "Helios / Acme / SchedMate", "scheduling, energy saving, fault tolerance"),
-}
+from jaxsys.experiments import REGISTRY  # noqa: F401

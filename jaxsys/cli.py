@@ -69,30 +69,35 @@ def _fmt(x, digits=3):
   return str(x)
 
 
+def _cell(x) -> str:
+  """A markdown table cell: ``|`` escaped, newlines folded (row names may hold either)."""
+  return str(x).replace("|", "\\|").replace("\n", " ")
+
+
 def format_table(results: list[dict]) -> str:
   """Markdown table: system, experiment, metric, baseline, ours, ratio, ideal, goal, met."""
-  from experiments import REGISTRY
+  from jaxsys.experiments import REGISTRY
   head = "| system | experiment | metric | unit | baseline | ours | ratio | ideal | goal | met? |"
   lines = [head, "|" + "---|" * 10]
   for res in results:
     system = REGISTRY.get(res["name"], ("", res["name"], ""))[1]
     if res.get("error"):
-      lines.append(f"| {system} | {res['name']} | FAILED: {res['error']} | | | | | | | no |")
+      lines.append(f"| {system} | {res['name']} | FAILED: {_cell(res['error'])} | | | | | | | no |")
       continue
     for r in res.get("rows", []):
       base = _fmt(r.get("baseline"))
       if r.get("baseline_name"):
         base = f"{base} ({r['baseline_name']})"
       met = r.get("met")
-      lines.append(
-          f"| {system} | {res['name']} | {r['metric']} | {r.get('unit', '')} | {base} | "
-          f"{_fmt(r.get('ours'))} | {_fmt(r.get('ratio'))} | {_fmt(r.get('ideal'))} | "
-          f"{r.get('goal') or '-'} | {'-' if met is None else ('yes' if met else 'no')} |")
+      cells = [system, res["name"], r["metric"], r.get("unit", ""), base, _fmt(r.get("ours")),
+               _fmt(r.get("ratio")), _fmt(r.get("ideal")), r.get("goal") or "-",
+               "-" if met is None else ("yes" if met else "no")]
+      lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
   return "\n".join(lines)
 
 
 def _reproduce(args) -> int:
-  from experiments import REGISTRY
+  from jaxsys.experiments import REGISTRY
   names = args.only or list(REGISTRY)
   unknown = [n for n in names if n not in REGISTRY]
   if unknown:
@@ -106,7 +111,10 @@ def _reproduce(args) -> int:
     module = REGISTRY[name][0]
     print(f"[{i}/{len(names)}] {name}: {REGISTRY[name][2]} ...", flush=True)
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", module, "--out", str(out)] + (["--quick"] if args.quick else [])
+    # -P: the working directory is not put on sys.path, so a local ``experiments`` package cannot
+    # shadow the installed scripts (Python >= 3.11; older ones run from where they are).
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *safe, "-m", module, "--out", str(out)] + (["--quick"] if args.quick else [])
     log_path = out / name / "log.txt"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     result_path = out / name / "result.json"

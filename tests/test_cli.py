@@ -45,6 +45,35 @@ def test_reproduce_rejects_unknown(capsys):
   assert cli.main(["reproduce", "--only", "nope"]) == 2
 
 
+def test_table_escapes_pipes_in_cells():
+  table = cli.format_table([{"name": "attention", "rows": [
+      {"metric": "a | b", "unit": "ms", "baseline": 1.0, "ours": 1.0, "ratio": 1.0}]}])
+  row = table.splitlines()[2]
+  assert "a \\| b" in row and row.count("|") - row.count("\\|") == 11  # 10 cells
+
+
+def test_reproduce_is_not_shadowed_by_a_local_experiments_package(tmp_path, monkeypatch):
+  """A user's own ``experiments`` package in the working directory hides neither the registry
+  (``jaxsys.experiments``) nor the scripts (run with ``python -P``, cwd off sys.path)."""
+  (tmp_path / "experiments").mkdir()
+  (tmp_path / "experiments" / "__init__.py").write_text("raise ImportError('the user package')\n")
+  monkeypatch.chdir(tmp_path)
+  calls, real_run = [], subprocess.run
+
+  def fake_run(cmd, **kwargs):
+    calls.append(cmd)
+    probe = [cmd[0], *cmd[1:cmd.index("-m")], "-c",
+             "import experiments.cluster as m, sys; sys.stdout.write(m.__file__)"]
+    found = real_run(probe, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout).resolve() == ROOT / "experiments" / "cluster.py"
+    return types.SimpleNamespace(returncode=1)
+
+  monkeypatch.setattr(cli.subprocess, "run", fake_run)
+  cli.main(["reproduce", "--only", "cluster", "--quick", "--out", str(tmp_path / "runs")])
+  assert len(calls) == 1 and calls[0][-3:] == ["--out", str(tmp_path / "runs"), "--quick"]
+
+
 def _console_script() -> str:
   """The installed ``jaxsys`` entry point (the venv's, else the one on PATH)."""
   script = Path(sys.executable).with_name("jaxsys")
