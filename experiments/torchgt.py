@@ -338,7 +338,6 @@ def memory_scaling(s: dict) -> tuple[list[Row], dict]:
   two graph sizes; bytes are linear in the graph size (nodes, edges, halo), so the two points
   give the largest node count that fits ``budget_gib`` per device.
   """
-  import optax
   from jaxsys.core.mesh import make_mesh
   from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
   from jaxsys.parallel.graph import graph_parallel_loss, plan_arrays, plan_graph_partition

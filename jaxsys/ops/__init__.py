@@ -20,7 +20,7 @@ _getattr, __dir__ = lazy_exports(__name__, {
     "checked": "ids",
 })
 
-from jaxsys.ops import masks  # noqa: E402  (the mask vocabulary, used with every op)
+from jaxsys.ops import masks  # noqa: E402, F401  (the mask vocabulary, used with every op)
 
 
 def __getattr__(name):

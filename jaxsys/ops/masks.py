@@ -162,7 +162,6 @@ class MultiHead(Mask):
   def visible(self, q_idx, q_pos, k_idx, head=None):
     if head is None:
       raise ShapeError("MultiHead masks need the head index")
-    xp = _xp(q_pos, k_idx, head)
     out = None
     for h, m in enumerate(self.masks):
       v = (head == h) & m.visible(q_idx, q_pos, k_idx, None)

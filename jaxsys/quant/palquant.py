@@ -140,7 +140,7 @@ class PalQuantConv(nnx.Module):
       x = lsq_quantize(x, jnp.abs(self.a_step[...]) + 1e-8, cfg.a_bits, False)
     w = self.kernel[...]
     if cfg.w_bits:
-      g, c = cfg.groups, cfg.channels
+      c = cfg.channels
       step = jnp.repeat(jnp.abs(self.w_step[...]) + 1e-8, c)                      # [G*C]
       w = lsq_quantize(w, step, cfg.w_bits, True)
     return grouped_conv3x3(x, w, cfg.groups) + self.bias[...]                     # [B, H, W, G*C]

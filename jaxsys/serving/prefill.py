@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError

@@ -1,6 +1,5 @@
 """Duration estimators trained on a chronological split of the real Alibaba trace."""
 
-import math
 
 import numpy as np
 import pytest

@@ -5,7 +5,6 @@ briefly trained on the target's own greedy continuations so that drafts are part
 (exercising commit of accepted paths) and partly rejected (exercising rollback).
 """
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

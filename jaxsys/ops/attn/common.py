@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.errors import InputError, ShapeError
 from jaxsys.ops import masks as masks_lib
 
 
@@ -110,7 +110,6 @@ def _segments(segment_ids, b, tq, tk):
 
 def visible_mask(args: AttentionArgs, q_idx, k_idx, head_axis: bool = True):
   """Token visibility ``bool[b or 1, h or 1, len(q_idx), len(k_idx)]`` for index vectors."""
-  b = args.q.shape[0]
   h = args.q.shape[2]
   qi = q_idx[None, None, :, None]
   ki = k_idx[None, None, None, :]
