@@ -31,6 +31,10 @@ import numpy as np
 from jaxsys.core.errors import ConfigError, ShapeError, check_min
 
 
+#: Default compute tile of the XLA backend, and the finest tile a structured mask asks for.
+COARSE_TILE, FINE_TILE = 256, 64
+
+
 class Mask:
   """Base class. Subclasses implement ``visible(q_idx, q_pos, k_idx, head)``."""
 
@@ -40,6 +44,15 @@ class Mask:
   def visible(self, q_idx, q_pos, k_idx, head=None):
     """Boolean visibility for broadcastable int arrays of row index, position, key index, head."""
     raise NotImplementedError
+
+  @property
+  def granularity(self) -> int | None:
+    """Token size of the mask's structure (``None``: no finer than a default compute tile).
+
+    Block-sparse attention skips whole compute tiles, so a layout of 64-token blocks computed in
+    256-token tiles costs what a dense tile does wherever any of its 16 layout blocks is visited.
+    The XLA backend sizes its tiles from this (``jaxsys.ops.attn.xla.XlaBlockSizes.for_mask``)."""
+    return None
 
   def __or__(self, other: "Mask") -> "Mask":
     return Or((self, _as_mask(other)))
@@ -95,6 +108,12 @@ class Local(Mask):
     d = q_pos - k_idx
     return (d >= 0) & (d < self.window)
 
+  @property
+  def granularity(self) -> int | None:
+    # a band of w keys touches w + 2 tiles' worth of keys per query tile: small tiles for
+    # windows of a few default tiles (64: the LServe page)
+    return FINE_TILE if self.window < 4 * COARSE_TILE else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Sink(Mask):
@@ -106,6 +125,10 @@ class Sink(Mask):
   def visible(self, q_idx, q_pos, k_idx, head=None):
     return (k_idx < self.num_sink) & (k_idx <= q_pos)
 
+  @property
+  def granularity(self) -> int | None:
+    return FINE_TILE if 0 < self.num_sink < COARSE_TILE else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Or(Mask):
@@ -114,6 +137,10 @@ class Or(Mask):
   @property
   def num_heads(self):  # type: ignore[override]
     return _common_heads(self.masks)
+
+  @property
+  def granularity(self) -> int | None:
+    return _finest(self.masks)
 
   def visible(self, q_idx, q_pos, k_idx, head=None):
     out = self.masks[0].visible(q_idx, q_pos, k_idx, head)
@@ -130,11 +157,20 @@ class And(Mask):
   def num_heads(self):  # type: ignore[override]
     return _common_heads(self.masks)
 
+  @property
+  def granularity(self) -> int | None:
+    return _finest(self.masks)
+
   def visible(self, q_idx, q_pos, k_idx, head=None):
     out = self.masks[0].visible(q_idx, q_pos, k_idx, head)
     for m in self.masks[1:]:
       out = out & m.visible(q_idx, q_pos, k_idx, head)
     return out
+
+
+def _finest(masks) -> int | None:
+  gs = [m.granularity for m in masks if m.granularity is not None]
+  return min(gs) if gs else None
 
 
 def _common_heads(masks):
@@ -158,6 +194,10 @@ class MultiHead(Mask):
   @property
   def num_heads(self):  # type: ignore[override]
     return len(self.masks)
+
+  @property
+  def granularity(self) -> int | None:
+    return _finest(self.masks)
 
   def visible(self, q_idx, q_pos, k_idx, head=None):
     if head is None:
@@ -190,6 +230,13 @@ class BlockSparse(Mask):
   def num_heads(self):  # type: ignore[override]
     h = self.layout.shape[0]
     return None if h == 1 else h
+
+  @property
+  def granularity(self) -> int | None:
+    g = min(self.block_q, self.block_k)
+    if self.token_mask is not None and self.token_mask.granularity is not None:
+      g = min(g, self.token_mask.granularity)
+    return g
 
   def check_lengths(self, q_len: int, kv_len: int):
     nq, nk = -(-q_len // self.block_q), -(-kv_len // self.block_k)

