@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError, ShapeError
 
-BACKENDS = ("triton", "mosaic")
+from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +58,6 @@ class TileBlocks:
       raise ConfigError(f"block_k={bk} must be the whole tile ({b}) or a multiple of 128 on "
                         "Mosaic (the bits are sliced along their lane dim)")
     return bk
-
-
-def resolve_backend(backend: str | None) -> str:
-  """``backend`` or, when None, "mosaic" on a TPU default backend and "triton" otherwise."""
-  if backend is None:
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
-  if backend not in BACKENDS:
-    raise ConfigError(f"backend={backend!r} must be one of {BACKENDS}")
-  return backend
 
 
 def _loop(n, body, init):

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-BACKENDS = ("triton", "mosaic")
+from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
 # SMEM holds the scalar-prefetched block table and lengths (1 MiB per core from TPU v4 on;
 # half is left to the compiler).
 TPU_SMEM_BUDGET_BYTES = 512 * 1024
@@ -50,15 +50,6 @@ class PageSelectBlocks:
       raise ConfigError(f"num_warps={self.num_warps} must be a power of two")
     if self.num_stages < 1:
       raise ConfigError(f"num_stages={self.num_stages} must be >= 1")
-
-
-def resolve_backend(backend: str | None) -> str:
-  """``backend`` or, when None, "mosaic" on a TPU default backend and "triton" otherwise."""
-  if backend is None:
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
-  if backend not in BACKENDS:
-    raise ConfigError(f"backend={backend!r} must be one of {BACKENDS}")
-  return backend
 
 
 def _kernel(q_ref, bt_ref, len_ref, lo_ref, hi_ref, o_ref, *, logical_page_size):

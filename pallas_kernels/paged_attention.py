@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-BACKENDS = ("triton", "mosaic")
+from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
 # SMEM holds the scalar-prefetched page tables (1 MiB on current TPU cores; half is left spare).
 TPU_SMEM_BUDGET_BYTES = 512 * 1024
 
@@ -89,15 +89,6 @@ def _kernel(q_ref, idx_ref, num_ref, len_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
   o_ref[...] = o
   m_ref[...] = m
   l_ref[...] = l
-
-
-def resolve_backend(backend: str | None) -> str:
-  """``backend`` or, when None, "mosaic" on a TPU default backend and "triton" otherwise."""
-  if backend is None:
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
-  if backend not in BACKENDS:
-    raise ConfigError(f"backend={backend!r} must be one of {BACKENDS}")
-  return backend
 
 
 def _mosaic_kernel(idx_ref, num_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,

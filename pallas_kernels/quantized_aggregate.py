@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-BACKENDS = ("triton", "mosaic")
+from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
 # 1 MiB of SMEM per core from TPU v4 on, 16 MiB of scoped VMEM by default: half of each.
 TPU_SMEM_BUDGET_BYTES = 512 * 1024
 TPU_VMEM_BUDGET_BYTES = 8 * 1024 * 1024
@@ -88,15 +88,6 @@ def _kernel(starts_ref, ends_ref, src_ref, w_ref, words_ref, scales_ref, out_ref
     return carry
 
   jax.lax.fori_loop(0, block_nodes, row, 0)
-
-
-def resolve_backend(backend: str | None) -> str:
-  """``backend`` or, when None, "mosaic" on a TPU default backend and "triton" otherwise."""
-  if backend is None:
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
-  if backend not in BACKENDS:
-    raise ConfigError(f"backend={backend!r} must be one of {BACKENDS}")
-  return backend
 
 
 def _mosaic_kernel(starts_ref, ends_ref, src_ref, w_ref, words_ref, scales_ref, out_ref, *,

@@ -131,7 +131,8 @@ class Sink(Mask):
 
 
 @dataclasses.dataclass(frozen=True)
-class Or(Mask):
+class _Combination(Mask):
+  """Several masks combined elementwise by ``_op`` (``|`` for Or, ``&`` for And)."""
   masks: tuple[Mask, ...]
 
   @property
@@ -145,27 +146,22 @@ class Or(Mask):
   def visible(self, q_idx, q_pos, k_idx, head=None):
     out = self.masks[0].visible(q_idx, q_pos, k_idx, head)
     for m in self.masks[1:]:
-      out = out | m.visible(q_idx, q_pos, k_idx, head)
+      out = self._op(out, m.visible(q_idx, q_pos, k_idx, head))
     return out
 
 
 @dataclasses.dataclass(frozen=True)
-class And(Mask):
-  masks: tuple[Mask, ...]
+class Or(_Combination):
+  @staticmethod
+  def _op(a, b):
+    return a | b
 
-  @property
-  def num_heads(self):  # type: ignore[override]
-    return _common_heads(self.masks)
 
-  @property
-  def granularity(self) -> int | None:
-    return _finest(self.masks)
-
-  def visible(self, q_idx, q_pos, k_idx, head=None):
-    out = self.masks[0].visible(q_idx, q_pos, k_idx, head)
-    for m in self.masks[1:]:
-      out = out & m.visible(q_idx, q_pos, k_idx, head)
-    return out
+@dataclasses.dataclass(frozen=True)
+class And(_Combination):
+  @staticmethod
+  def _op(a, b):
+    return a & b
 
 
 def _finest(masks) -> int | None:
