@@ -162,14 +162,13 @@ def decode_attention(q, k_cache, v_cache, *, mask, q_offset, kv_lengths):
   """Attention of a few queries over a contiguous cache, without moving the cache.
 
   ``q [b, s, heads, d]``, caches ``[b, T, kv_heads, d]``. Batched per kv head, the usual GQA
-  contraction needs a cache as ``[b, kv_heads, T, d]``: XLA copies both caches in every layer
-  of every step (as many bytes as the weights at a few thousand tokens). Here the scores are
-  one matmul of the cache, contracted over its two minor axes (kv head, dim), with
-  block-diagonal queries ``[b, kv_heads, d, heads * s]`` (query head h only in kv head
-  h // g's block); ``V^T p`` gives every (kv head, query head) pair and the diagonal blocks are
-  the outputs. The extra ``kv_heads``-fold multiply-adds are tiny next to reading the cache.
-  The cache is the left operand of both matmuls: as the right one, inside a decode
-  ``while_loop`` at batch 1, XLA copies the loop-carried cache every step. Visibility (mask,
+  contraction needs the cache as ``[b, kv_heads, T, d]``: XLA copies both caches every layer of
+  every step (as many bytes as the weights at a few thousand tokens). Here the cache is read
+  as the matrix ``[b, T, kv_heads * d]`` (a free reshape) against block-diagonal queries
+  ``[b, kv_heads * d, heads * s]`` (query head h in kv head h // g's block), so
+  ``scores [b, T, heads * s]`` is one plain matmul; ``p^T [heads * s, T] @ V [T, kv_heads * d]``
+  gives every (head, kv head) pair and the diagonal blocks are the outputs. The extra
+  ``kv_heads``-fold multiply-adds are tiny next to reading the cache. Visibility (mask, query
   offsets, lengths) is ``jaxsys.ops.attention``'s own; statistics are float32.
   """
   from jaxsys.ops.attn.common import validate, visible_mask
@@ -179,18 +178,19 @@ def decode_attention(q, k_cache, v_cache, *, mask, q_offset, kv_lengths):
   g = h // hk
   qf = q.astype(jnp.float32) * args.scale
   qf = qf.reshape(b, s, hk, g, d).transpose(0, 2, 4, 3, 1)               # [b, hk, d, g, s]
-  eye = jnp.eye(hk, dtype=jnp.float32)                                   # [hk, hk']
-  qbd = (qf[:, :, :, None] * eye[None, :, None, :, None, None]).reshape(b, hk, d, h * s)
-  kf, vf = k_cache.astype(jnp.float32), v_cache.astype(jnp.float32)
-  sc = jnp.einsum("btkd,bkdj->btj", kf, qbd)                             # [b, T, heads * s]
-  vis = visible_mask(args, jnp.arange(s), jnp.arange(t))                 # [b|1, h|1, s, T]
-  vis = jnp.broadcast_to(vis, (vis.shape[0], h, s, t)).transpose(0, 3, 1, 2)
-  sc = jnp.where(vis.reshape(-1, t, h * s), sc, -jnp.inf)
+  eye = jnp.eye(hk, dtype=jnp.float32)
+  qbd = (eye[None, :, None, :, None, None] * qf[:, :, :, None]).reshape(b, hk * d, h * s)
+  kf = k_cache.astype(jnp.float32).reshape(b, t, hk * d)
+  vf = v_cache.astype(jnp.float32).reshape(b, t, hk * d)
+  sc = jnp.einsum("btc,bcj->btj", kf, qbd)                                # [b, T, heads * s]
+  vis = visible_mask(args, jnp.arange(s), jnp.arange(t))                  # [b|1, h|1, s, T]
+  vis = jnp.broadcast_to(vis, (vis.shape[0], h, s, t)).transpose(0, 3, 1, 2).reshape(-1, t, h * s)
+  sc = jnp.where(vis, sc, -jnp.inf)
   m = jnp.max(sc, axis=1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(sc - m)
-  l = jnp.sum(p, axis=1)                                                 # [b, heads * s]
-  o = jnp.einsum("btkd,btj->bkdj", vf, p).reshape(b, hk, d, hk, g, s)    # every pair
-  o = jnp.einsum("bkdkgs->bkgsd", o)                                     # its own kv head
-  o = o / jnp.where(l > 0, l, 1.0).reshape(b, hk, g, s)[..., None]       # unseen rows: 0
+  p = jnp.exp(sc - m)                                                     # [b, T, heads * s]
+  l = jnp.sum(p, axis=1)                                                  # [b, heads * s]
+  o = jnp.einsum("btj,btc->bjc", p, vf).reshape(b, hk, g, s, hk, d)       # every kv head
+  o = jnp.einsum("bkgskd->bkgsd", o)                                      # its own block
+  o = o / jnp.where(l > 0, l, 1.0).reshape(b, hk, g, s)[..., None]        # unseen rows: 0
   return o.reshape(b, h, s, d).transpose(0, 2, 1, 3).astype(q.dtype)
