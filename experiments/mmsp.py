@@ -158,7 +158,10 @@ def measure_decoder_step(labels, s, iters):
       with jax.set_mesh(mesh):
         return step(params, batch)
 
-    out[label] = (call, (params, batch))  # compiled in best_ms's warm-up
+    # Compiled here: ``step`` closes over this iteration's ``graphdef`` (late-bound), so it must
+    # be traced before the loop moves on to the next strategy.
+    jax.block_until_ready(call(params, batch))
+    out[label] = (call, (params, batch))
   return best_ms(out, rounds=2 * iters + 1)
 
 
