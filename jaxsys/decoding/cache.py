@@ -58,7 +58,8 @@ def write_rows(buf, new, start):
   return buf.at[jnp.arange(b)[:, None], rows].set(new.astype(buf.dtype), mode="drop")
 
 
-def _replace_at(items: tuple, i: int, new) -> tuple:
+def replace_at(items: tuple, i: int, new) -> tuple:
+  """``items`` with entry ``i`` replaced (per-layer state kept as tuples inside caches)."""
   return items[:i] + (new,) + items[i + 1:]
 
 
@@ -116,19 +117,27 @@ class KVCache:
     if len(self.k) != num_layers:
       raise ShapeError(f"cache has {len(self.k)} layers but the model has {num_layers}")
 
+  def write(self, layer: int, k, v, start) -> "KVCache":
+    """Layer ``layer``'s new ``k, v [b, T, kv_heads, head_dim]`` at rows ``start[b] + arange(T)``."""
+    return self.replace(k=replace_at(self.k, layer, write_rows(self.k[layer], k, start)),
+                        v=replace_at(self.v, layer, write_rows(self.v[layer], v, start)))
+
+  def layer_as(self, layer: int, dtype):
+    """Layer ``layer``'s ``(keys, values)`` in the compute ``dtype``."""
+    return self.k[layer].astype(dtype), self.v[layer].astype(dtype)
+
   # -- the protocol ---------------------------------------------------------------------------
   def attend(self, layer: int, attn, q, k, v):
     from jaxsys.nn.attention import decode_attention, uses_default_xla
     s = q.shape[1]
-    k_cache = write_rows(self.k[layer], k, self.lengths)
-    v_cache = write_rows(self.v[layer], v, self.lengths)
-    kc, vc = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+    new = self.write(layer, k, v, self.lengths)
+    kc, vc = new.layer_as(layer, q.dtype)
     if s <= DECODE_MAX_Q and uses_default_xla(attn.attention_fn):
       o = decode_attention(q, kc, vc, mask=attn.mask, q_offset=self.lengths,
                            kv_lengths=self.lengths + s)
     else:
       o = attn.attend(q, kc, vc, q_offset=self.lengths, kv_lengths=self.lengths + s)
-    return o, self.replace(k=_replace_at(self.k, layer, k_cache), v=_replace_at(self.v, layer, v_cache))
+    return o, new
 
   def advance(self, seq: int) -> "KVCache":
     return self.replace(lengths=self.lengths + seq)
@@ -173,16 +182,13 @@ class TreeCache:
     from jaxsys.speculative.tree import TreeMask
     if attn.sliding_window is not None:
       raise NotImplementedError("tree attention over sliding-window layers is not supported")
-    k_cache = write_rows(self.kv.k[layer], k, self.write_start)
-    v_cache = write_rows(self.kv.v[layer], v, self.write_start)
-    kc, vc = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+    kv = self.kv.write(layer, k, v, self.write_start)
+    kc, vc = kv.layer_as(layer, q.dtype)
 
     def one(qq, kk, vv, vs, pl, ts):  # one TreeMask per sequence
       return attention(qq[None], kk[None], vv[None], mask=TreeMask(vs, pl, ts), impl=self.impl)[0]
 
     o = jax.vmap(one)(q, kc, vc, self.vis, self.prefix_len, self.tree_start)  # [b, T, heads, d]
-    kv = self.kv.replace(k=_replace_at(self.kv.k, layer, k_cache),
-                         v=_replace_at(self.kv.v, layer, v_cache))
     return o, dataclasses.replace(self, kv=kv)
 
   def advance(self, seq: int) -> "TreeCache":
@@ -214,8 +220,8 @@ class Prefill:
     k_cache = jax.lax.dynamic_update_slice_in_dim(self.kv.k[layer], k.astype(self.kv.k[layer].dtype), 0, 1)
     v_cache = jax.lax.dynamic_update_slice_in_dim(self.kv.v[layer], v.astype(self.kv.v[layer].dtype), 0, 1)
     o = attn.attend(q, k_cache[:, :s].astype(q.dtype), v_cache[:, :s].astype(q.dtype))
-    kv = self.kv.replace(k=_replace_at(self.kv.k, layer, k_cache),
-                         v=_replace_at(self.kv.v, layer, v_cache))
+    kv = self.kv.replace(k=replace_at(self.kv.k, layer, k_cache),
+                         v=replace_at(self.kv.v, layer, v_cache))
     return o, dataclasses.replace(self, kv=kv)
 
   def advance(self, seq: int) -> KVCache:

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from jaxsys.core.bench import count_trace
-from jaxsys.core.errors import ConfigError, InputError  # noqa: F401  (re-used by the layers above)
+from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.decoding.cache import KVCache, Prefill
 from jaxsys.decoding.sampling import sample_logits
 

@@ -85,13 +85,12 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: SamplingParams | 
   ``max_new_tokens`` must fit the model's :func:`context_length`.
   """
   cfg = model.config
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ConfigError(f"{max_new_tokens=} must be a positive int")
   stop = _check_stop(stop, tokenizer)
   if tokenizer is not None:
     prompts = encode_prompts(tokenizer, prompts)
   arrs = core.check_prompts(prompts, cfg.vocab_size)
-  # The cache holds prompt + new tokens (bucketed): bound them before allocating anything.
+  # max_new_tokens is a positive int and prompt + new tokens (the bucketed cache) fit the model's
+  # context: checked before anything is allocated.
   core.check_fits(arrs, max_new_tokens, cfg)
   s = GREEDY if sampling is None else sampling
   if not isinstance(s, SamplingParams):

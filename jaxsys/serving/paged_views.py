@@ -24,14 +24,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsys.decoding.cache import replace_at
 from jaxsys.serving import lserve as lserve_lib
 from jaxsys.serving.paged_cache import PagedCacheConfig, write_tokens
 
 _static = dict(metadata=dict(static=True))
-
-
-def _replace_at(items, i, new):
-  return items[:i] + (new,) + items[i + 1:]
 
 
 @jax.tree_util.register_dataclass
@@ -64,8 +61,8 @@ class PagedPrefill:
                                                self.q_offset, axis=1)
       vb = jax.lax.dynamic_update_slice_in_dim(self.vbuf[layer], v.astype(self.vbuf[layer].dtype),
                                                self.q_offset, axis=1)
-      new = dataclasses.replace(new, kbuf=_replace_at(self.kbuf, layer, kb),
-                                vbuf=_replace_at(self.vbuf, layer, vb))
+      new = dataclasses.replace(new, kbuf=replace_at(self.kbuf, layer, kb),
+                                vbuf=replace_at(self.vbuf, layer, vb))
       k, v = kb[:, :end], vb[:, :end]
     o = hybrid_attention(self.config, layer, q, k, v, q_offset=self.q_offset,
                          kv_lengths=self.kv_lengths, retrieval_mask=self.retrieval_mask,
@@ -102,7 +99,7 @@ class PagedDecode:
                                           self.stream_table, lengths, self.numbers[layer],
                                           reselect=self.reselect, impl=self.impl)
     return o[:, None], dataclasses.replace(self, state=st,
-                                           numbers=_replace_at(self.numbers, layer, nums))
+                                           numbers=replace_at(self.numbers, layer, nums))
 
   def advance(self, seq: int) -> "PagedDecode":
     return self
