@@ -43,7 +43,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, InputError, check_min
 from jaxsys.serving import lserve as lserve_lib
 from jaxsys.decoding.core import bucket, check_prompts, context_length, describe_context
-from jaxsys.decoding.sampling import SamplingParams, sample_logits
+from jaxsys.decoding.sampling import GREEDY, SamplingParams, sample
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError
 from jaxsys.serving.paged_views import PagedDecode
 from jaxsys.serving.prefill import check_model, prefill
@@ -162,7 +162,8 @@ class ServingEngine:
     if len(news) != len(arrs) or any(int(m) < 1 for m in news):
       raise InputError(f"max_new_tokens must be a positive int or one per prompt, got {max_new_tokens!r}")
     stops = set(getattr(mc, "eos_ids", ()) if stop_tokens is None else stop_tokens)
-    s = None if sampling is None or sampling.greedy else sampling  # None: greedy
+    # The static part of the sampling (one executable for every seed; the seed is in the key).
+    s = GREEDY if sampling is None or sampling.greedy else dataclasses.replace(sampling, seed=0)
     if sampling is not None:
       sampling.check_vocab(mc.vocab_size)
     key = jax.random.PRNGKey(0 if sampling is None else sampling.seed)
@@ -221,8 +222,7 @@ class ServingEngine:
       waiting.popleft()
       t0 = time.perf_counter()
       hidden = self._prefill(r.index, r)
-      sampling = None if s is None else (s.temperature, s.top_k, s.top_p)
-      logits, tok = _first_token(self._graphdef, self._params, hidden, key, r.index, sampling)
+      logits, tok = _first_token(self._graphdef, self._params, hidden, key, r.index, s)
       tok = int(tok[0])
       res.prefill_seconds += time.perf_counter() - t0
       self._emit(r, tok, np.asarray(logits[0]) if res.logits is not None else None, stops, bar)
@@ -272,11 +272,10 @@ class ServingEngine:
       reselect = reselect or self._numbers is None or self._since_select >= sel.reuse_steps
       self._since_select = 1 if reselect else self._since_select + 1
     numbers = self._numbers if self._numbers is not None else [None] * self.cache_config.num_layers
-    sampling = None if s is None else (s.temperature, s.top_k, s.top_p)
     logits, toks, self.cache.state, numbers = _decode_step(
         self._graphdef, self._params, self.cache_config, sel, self.cache.state, jnp.asarray(tokens),
         jnp.asarray(lengths), jnp.asarray(active), jnp.asarray(bt), jnp.asarray(stt),
-        tuple(numbers), bool(reselect) if sel is not None else True, key, sampling,
+        tuple(numbers), bool(reselect) if sel is not None else True, key, s,
         self.config.lserve.impl)
     self._numbers = list(numbers) if sel is not None else None
     for i, rid in enumerate(rids):
@@ -285,20 +284,12 @@ class ServingEngine:
     return np.asarray(logits), np.asarray(toks)
 
 
-def _pick(logits, key, sampling):
-  """``sampling``: None (greedy) or the static ``(temperature, top_k, top_p)``."""
-  if sampling is None:
-    return sample_logits(key, logits, greedy=True)
-  t, k, p = sampling
-  return sample_logits(key, logits, greedy=False, temperature=t, top_k=k, top_p=p if p < 1 else None)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _first_token(graphdef, params, hidden, key, index, sampling):
   """Logits ``[1, vocab]`` of the last prompt token and the sampled first new token."""
   model = nnx.merge(graphdef, params)
   logits = model.logits(hidden[:, None])[:, 0]
-  return logits, _pick(logits, jax.random.fold_in(key, index), sampling)
+  return logits, sample(jax.random.fold_in(key, index), logits, sampling)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 13, 14), donate_argnums=(4,))
@@ -309,7 +300,7 @@ def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positio
                      reselect=reselect, impl=impl)
   h, view = model.forward_hidden(tokens[:, None], positions=positions[:, None], cache=view)
   logits = model.logits(h)[:, 0]  # [slots, vocab]
-  return logits, _pick(logits, key, sampling), view.state, view.numbers
+  return logits, sample(key, logits, sampling), view.state, view.numbers
 
 
 def _progress(enabled: bool, total: int):
