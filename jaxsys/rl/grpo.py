@@ -8,6 +8,12 @@ The policy maximises the clipped surrogate with a k3 KL penalty to a frozen refe
     J = mean_i mean_t [ min(rho_t A_i, clip(rho_t, 1-eps, 1+eps) A_i) - beta * KL3_t ]
     KL3_t = pi_ref/pi - log(pi_ref/pi) - 1                     (Schulman's k3 estimator)
 
+Options (the defaults reproduce the formula above): asymmetric clipping
+``clip(rho, 1 - clip_low, 1 + clip_high)`` (DAPO's clip-higher), dual-clip ``c`` (Ye et al. 2020:
+for ``A < 0`` the per-token objective is bounded below by ``c * A``), and ``loss_agg``:
+``"seq-mean"`` (mean over each response's tokens, then over responses) or ``"token-mean"``
+(one mean over every response token of the batch, as verl's ``token-mean``).
+
 ``pi_old`` log-probs are recomputed by the trainer (one forward before the updates) rather than
 trusted from the rollout engine, and the new weights are synced into the engine after each step.
 Minibatches are length-grouped (``GRPOConfig.length_bucket``): with a long tail most responses
@@ -37,8 +43,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, check_min, check_positive, check_range
+from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
 from jaxsys.rl import tasks as tasks_lib
+
+LOSS_AGGS = ("seq-mean", "token-mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +64,41 @@ class GRPOConfig:
   # follows the total token count rather than batch x longest response.
   length_bucket: int = 32
   seed: int = 0
+  # Asymmetric clip range (None: clip_eps), dual-clip bound (None: off) and loss aggregation.
+  clip_low: float | None = None
+  clip_high: float | None = None
+  dual_clip: float | None = None
+  loss_agg: str = "seq-mean"
 
   def __post_init__(self):
     check_min(self, 2, "group_size", note=" (advantages are group-relative)")
     check_min(self, 1, "prompts_per_step")
     check_range("clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)
+    for name in ("clip_low", "clip_high"):
+      if getattr(self, name) is not None:
+        check_range(name, getattr(self, name), 0, 1, lo_open=True, hi_open=True)
+    if self.dual_clip is not None:
+      check_range("dual_clip", self.dual_clip, 1, None, lo_open=True)
+    check_one_of("loss_agg", self.loss_agg, LOSS_AGGS)
     check_min(self, 0, "kl_coef")
     check_positive(self, "lr")
     check_min(self, 0, "length_bucket", note=" (0 disables length grouping)")
     n = self.group_size * self.prompts_per_step
     if self.minibatches < 1 or n % self.minibatches:
       raise ConfigError(f"minibatches={self.minibatches} must divide group_size*prompts_per_step={n}")
+
+  @property
+  def clip_range(self) -> tuple[float, float]:
+    """``(clip_low, clip_high)`` with ``clip_eps`` filling the unset side(s)."""
+    lo = self.clip_eps if self.clip_low is None else self.clip_low
+    hi = self.clip_eps if self.clip_high is None else self.clip_high
+    return lo, hi
+
+  def objective_kwargs(self) -> dict:
+    """Keyword arguments of :func:`policy_objective` for this config."""
+    lo, hi = self.clip_range
+    return dict(clip_low=lo, clip_high=hi, dual_clip=self.dual_clip, kl_coef=self.kl_coef,
+                loss_agg=self.loss_agg)
 
 
 def group_advantages(rewards, eps: float = 1e-6):
@@ -82,22 +114,44 @@ def token_logprobs(model, tokens):
   return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def grpo_loss(model, tokens, mask, adv, old_logp, ref_logp, clip_eps: float, kl_coef: float):
-  """Clipped surrogate + k3 KL, averaged per response then over the batch (negated: minimise).
+def policy_objective(logp, old_logp, ref_logp, mask, adv, *, clip_low: float, clip_high: float,
+                     kl_coef: float, dual_clip: float | None = None, loss_agg: str = "seq-mean"):
+  """The GRPO loss (negated objective) from log-probs ``[b, T]``, ``mask [b, T]``, ``adv [b]``.
+
+  Per token: ``s = min(rho A, clip(rho, 1-clip_low, 1+clip_high) A)``; with ``dual_clip = c``,
+  ``s = max(s, c A)`` where ``A < 0``; ``obj = s - kl_coef * KL3``. Aggregated per response then
+  over responses (``"seq-mean"``) or over all response tokens at once (``"token-mean"``).
+  Returns ``(loss, {"kl", "clip_frac"})``.
+  """
+  ratio = jnp.exp(logp - old_logp)
+  a = adv[:, None]
+  surr = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip_low, 1 + clip_high) * a)
+  if dual_clip is not None:
+    surr = jnp.where(a < 0, jnp.maximum(surr, dual_clip * a), surr)
+  log_r = ref_logp - logp
+  kl = jnp.exp(log_r) - log_r - 1.0
+  per_tok = surr - kl_coef * kl
+  if loss_agg == "token-mean":
+    agg = lambda x: (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)  # noqa: E731
+  else:
+    n = jnp.maximum(mask.sum(-1), 1.0)
+    agg = lambda x: ((x * mask).sum(-1) / n).mean()  # noqa: E731
+  clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)) * mask
+  return -agg(per_tok), {"kl": agg(kl), "clip_frac": clipped.sum() / jnp.maximum(mask.sum(), 1.0)}
+
+
+def grpo_loss(model, tokens, mask, adv, old_logp, ref_logp, clip_eps: float, kl_coef: float, *,
+              clip_high: float | None = None, dual_clip: float | None = None,
+              loss_agg: str = "seq-mean"):
+  """Clipped surrogate + k3 KL of ``model`` on ``tokens`` (negated: minimise); see
+  :func:`policy_objective` (``clip_eps`` is the low side, and the high side unless ``clip_high``).
 
   ``mask [b, S-1]`` marks log-prob positions that predict response tokens; ``adv [b]``.
   """
   logp = token_logprobs(model, tokens)
-  ratio = jnp.exp(logp - old_logp)
-  a = adv[:, None]
-  surr = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * a)
-  log_r = ref_logp - logp
-  kl = jnp.exp(log_r) - log_r - 1.0
-  per_tok = surr - kl_coef * kl
-  n = jnp.maximum(mask.sum(-1), 1.0)
-  obj = ((per_tok * mask).sum(-1) / n).mean()
-  clipped = ((jnp.abs(ratio - 1) > clip_eps) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-  return -obj, {"kl": ((kl * mask).sum(-1) / n).mean(), "clip_frac": clipped}
+  return policy_objective(logp, old_logp, ref_logp, mask, adv, clip_low=clip_eps,
+                          clip_high=clip_eps if clip_high is None else clip_high,
+                          kl_coef=kl_coef, dual_clip=dual_clip, loss_agg=loss_agg)
 
 
 def build_batch(examples, responses, seq_len: int, pad: int = tasks_lib.EOS):
@@ -148,8 +202,10 @@ class GRPOTrainer:
     c = self.config
 
     def loss_fn(p):
+      kw = c.objective_kwargs()
       return grpo_loss(nnx.merge(gdef, p, rest), tokens, mask, adv, old_logp, ref_logp,
-                       c.clip_eps, c.kl_coef)
+                       kw["clip_low"], c.kl_coef, clip_high=kw["clip_high"],
+                       dual_clip=c.dual_clip, loss_agg=c.loss_agg)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = self.tx.update(grads, opt_state, params)
