@@ -110,6 +110,14 @@ class KVCache:
       raise ShapeError(f"lengths must be int[batch={self.batch}], got shape {lengths.shape}")
     return self.replace(lengths=lengths)
 
+  def repeat(self, group: int) -> "KVCache":
+    """Each row repeated ``group`` times (row ``i * group + j``): ``group`` continuations of one
+    prefilled prompt share its keys/values (the copies then diverge as they decode)."""
+    if group < 1:
+      raise ConfigError(f"{group=} must be >= 1")
+    rep = lambda x: jnp.repeat(x, group, axis=0)  # noqa: E731
+    return self.replace(k=tuple(map(rep, self.k)), v=tuple(map(rep, self.v)), lengths=rep(self.lengths))
+
   def nbytes(self) -> int:
     return sum(x.size * x.dtype.itemsize for x in self.k + self.v)
 

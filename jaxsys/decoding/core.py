@@ -8,8 +8,10 @@ with a cache of the protocol in ``jaxsys.decoding.cache``.
   naming the prompt and the bound).
 * :func:`bucket`, :func:`bucket_of`, :func:`pad_batch`: one bucketing of batch and lengths, so a
   new request size inside a bucket reuses the compiled executables.
-* :func:`prefill_hidden` / :func:`prefill`: a right-padded prompt batch into an empty contiguous
-  cache (static causal layout: blocks above the diagonal are skipped).
+* :func:`prefill_hidden` / :func:`prefill`: a right-padded prompt batch (token ids, or input
+  ``embeds``) into an empty contiguous cache (static causal layout: blocks above the diagonal
+  are skipped); :func:`jit_prefill_embeds` prefills each prompt once and shares the cache with
+  its group of rollouts (``KVCache.repeat``).
 * :func:`step`: one forward over a few new tokens per row, the cache updated in place.
 * :func:`decode_loop`: ``generate``'s whole decode as one ``lax.while_loop``; :func:`while_running`
   is the loop every on-device decode phase runs (``generate``, the rollout engine's vanilla and
@@ -124,20 +126,22 @@ def pad_batch(arrs, batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
 # ---- model passes ----------------------------------------------------------------------------
 
 
-def prefill_hidden(model, tokens, lengths, cache: KVCache):
+def prefill_hidden(model, tokens, lengths, cache: KVCache, *, embeds=None):
   """Right-padded prompts ``tokens int[b, T]`` (true ``lengths int[b]``) into the empty ``cache``.
 
+  With ``embeds [b, T, embed]`` (and ``tokens=None``) the prompt enters as input embeddings
+  instead of token ids (a VLM's interleaved text + frame tokens).
   Returns ``(hidden [b, T, embed] after the final norm, cache with lengths)``."""
-  h, cache = model.forward_hidden(tokens, cache=Prefill(cache))
+  h, cache = model.forward_hidden(tokens, cache=Prefill(cache), embeds=embeds)
   return h, cache.with_lengths(lengths)
 
 
-def prefill(model, tokens, lengths, cache: KVCache, with_hidden: bool = False):
+def prefill(model, tokens, lengths, cache: KVCache, with_hidden: bool = False, *, embeds=None):
   """:func:`prefill_hidden`, then the logits of each row's last prompt token.
 
   Returns ``(logits float32[b, vocab], hidden [b, embed] or None, cache)``."""
-  h, cache = prefill_hidden(model, tokens, lengths, cache)
-  h_last = h[jnp.arange(tokens.shape[0]), lengths - 1][:, None]  # [b, 1, embed]
+  h, cache = prefill_hidden(model, tokens, lengths, cache, embeds=embeds)
+  h_last = h[jnp.arange(h.shape[0]), lengths - 1][:, None]  # [b, 1, embed]
   logits = model.logits(h_last)[:, 0]
   return logits, (h_last[:, 0] if with_hidden else None), cache
 
@@ -279,6 +283,18 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
 def jit_prefill(graphdef, state, tokens, lengths, cache, with_hidden):
   count_trace("decoding.prefill")
   return prefill(nnx.merge(graphdef, state), tokens, lengths, cache, with_hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(4,))
+def jit_prefill_embeds(graphdef, state, embeds, lengths, cache, group, with_hidden=False):
+  """Prefill from input embeddings ``[n, T, embed]`` once per prompt, then the cache, logits and
+  hidden states repeated to ``n * group`` rows (row ``i * group + j`` = rollout ``j`` of prompt
+  ``i``): a group of rollouts shares one prefill. ``cache`` has ``n`` rows."""
+  count_trace("decoding.prefill_embeds")
+  logits, hidden, cache = prefill(nnx.merge(graphdef, state), None, lengths, cache, with_hidden,
+                                  embeds=embeds)
+  rep = lambda x: None if x is None else jnp.repeat(x, group, axis=0)  # noqa: E731
+  return rep(logits), rep(hidden), cache.repeat(group)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9), donate_argnums=(2,))
