@@ -11,21 +11,18 @@ Measures (all numbers measured here; paper anchors only appear in notes, for com
 4. PalQuant on scikit-learn digits: W2A2 with G=2 vs plain W4A4 / W2A2 (and FP32).
 """
 
-import os
+import time
 
-_flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxsys.core.bench import time_fn, time_interleaved  # noqa: E402
-from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
+from jaxsys.core.bench import time_fn, time_interleaved
+from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "gnn_quant"
+DEVICES = 8  # simulated CPU devices by default (--devices N)
+MESH_EXAMPLE = "graph=8"
 
 
 def _config(quick: bool) -> dict:
@@ -281,9 +278,15 @@ def _palquant_section(cfg):
   return rows
 
 
-def run(quick: bool, out_dir: str) -> list[Row]:
+def run(quick: bool, out_dir: str, mesh: dict | None = None) -> list[Row]:
+  """``mesh``: ``{"graph": P}``, Sylvie's partition count (default 8)."""
   from jaxsys import graphs
+  from jaxsys.core.errors import ConfigError
   cfg = _config(quick)
+  if mesh is not None:
+    if set(mesh) != {"graph"}:
+      raise ConfigError(f"--mesh {mesh}: gnn_quant takes graph=P (Sylvie's partitions)")
+    cfg["sylvie_parts"] = mesh["graph"]
   out = run_dir(NAME, out_dir)
   ds = graphs.load_planetoid("cora", row_normalize=True)
   timings = {}

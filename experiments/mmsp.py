@@ -13,44 +13,70 @@ For ring (contiguous), zigzag ring, Ulysses, 2D hybrid (ring x Ulysses) and all-
 Goal: hybrid communicates no more than ring and runs faster than ring.
 """
 
-import os
+import functools
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 
-import functools  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-from jaxsys.core.bench import time_interleaved  # noqa: E402
-from jaxsys.core.mesh import make_mesh  # noqa: E402
-from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
-from jaxsys.ops import masks  # noqa: E402
-from jaxsys.parallel import api, costs  # noqa: E402
+from jaxsys.core.bench import time_interleaved
+from jaxsys.core.errors import ConfigError
+from jaxsys.core.mesh import make_mesh
+from jaxsys.core.results import Row, run_dir, write_result
+from jaxsys.ops import masks
+from jaxsys.parallel import api, costs
 
 NAME = "mmsp"
-# strategy label -> (strategy, (ring, ulysses) mesh shape)
-SETUPS = {
-    "ring 8": ("ring", (8, 1)),
-    "zigzag 8": ("zigzag", (8, 1)),
-    "ulysses 8": ("ulysses", (1, 8)),
-    "hybrid 2x4": ("hybrid", (2, 4)),
-    "hybrid 4x2": ("hybrid", (4, 2)),
-    "allgather 8": ("allgather", (8, 1)),
-}
+DEVICES = 8  # simulated CPU devices by default (python -m experiments.mmsp --devices N)
+MESH_EXAMPLE = "ring=2,ulysses=4"
+# strategy label -> (strategy, (ring, ulysses) mesh shape); filled by ``make_setups`` in ``run``
+SETUPS: dict[str, tuple[str, tuple[int, int]]] = {}
+
+
+def make_setups(devices: int, mesh: dict | None = None) -> dict:
+  """The strategies compared on ``devices`` devices: ring, zigzag, Ulysses and all-gather over all
+  of them, and 2D hybrids (``ring x ulysses``). ``mesh`` (``--mesh``) picks the hybrid shape
+  (``ring=2,ulysses=4``) or, with one axis (``ulysses=8``), leaves the hybrid out."""
+  if mesh is not None:
+    unknown = set(mesh) - {"ring", "ulysses"}
+    if unknown:
+      raise ConfigError(f"--mesh axes {sorted(unknown)} are not used by mmsp; it takes ring=R,ulysses=U")
+    r, u = mesh.get("ring", 1), mesh.get("ulysses", 1)
+    if r * u > devices:
+      raise ConfigError(f"--mesh {mesh} needs {r * u} devices but {devices} are available; on CPU "
+                        f"pass --devices {r * u}")
+    devices = r * u
+    hybrids = [(r, u)] if r > 1 and u > 1 else []
+  else:
+    hybrids = [(2, devices // 2), (devices // 2, 2)] if devices >= 4 and devices % 2 == 0 else []
+  p = devices
+  setups = {f"ring {p}": ("ring", (p, 1)), f"zigzag {p}": ("zigzag", (p, 1)),
+            f"ulysses {p}": ("ulysses", (1, p))}
+  for r, u in dict.fromkeys(hybrids):
+    setups[f"hybrid {r}x{u}"] = ("hybrid", (r, u))
+  setups[f"allgather {p}"] = ("allgather", (p, 1))
+  return setups
+
+
+def _headline(setups):
+  """(baseline, ours): contiguous ring vs the first hybrid (or Ulysses when there is none)."""
+  base = next(k for k, v in setups.items() if v[0] == "ring")
+  ours = next((k for k, v in setups.items() if v[0] == "hybrid"),
+              next(k for k, v in setups.items() if v[0] == "ulysses"))
+  return base, ours
+
+
 MiB = 2.0 ** 20
 IMPL = {"impl": "auto"}  # per-block attention backend; see _pick_impl
 
 
 def _pick_impl():
   """Uses impl="auto" unless it fails inside shard_map here; then the reference (recorded)."""
-  q = jnp.ones((1, 32, 8, 8))
+  p = max(r * u for _, (r, u) in SETUPS.items())
+  q = jnp.ones((1, 4 * p, max(8, p), 8))
   try:
-    for strategy, shape in (("hybrid", (2, 4)), ("ulysses", (1, 8))):
+    for strategy, shape in {v[0]: v[1] for v in SETUPS.values() if v[0] in ("hybrid", "ulysses")}.items():
       fn = functools.partial(api.sequence_parallel_attention, mesh=_mesh(shape),
                              strategy=strategy, mask=masks.Causal(), impl="auto")
       jax.block_until_ready(jax.jit(_train_fn(fn))(q, q, q))
@@ -85,7 +111,7 @@ def _train_fn(attn):
   return step
 
 
-def measure_strategy(label, b, lengths, h, hk, d, time_len, iters):
+def measure_strategy(label, b, lengths, h, hk, d, time_len, iters, dtype=jnp.float32):
   """Compiles one attention-layer training step per length; reads collectives and peak memory
   from the compiled program and times it at ``time_len`` (one compile serves all three)."""
   strategy, shape = SETUPS[label]
@@ -95,7 +121,7 @@ def measure_strategy(label, b, lengths, h, hk, d, time_len, iters):
   res = {"hlo_train": {}, "hlo_train_by_kind": {}, "analytic_train": {}, "analytic_fwd": {},
          "peak_bytes": {}}
   for s in lengths:
-    sh, args = _structs(plan, mesh, b, s, h, hk, d)
+    sh, args = _structs(plan, mesh, b, s, h, hk, d, dtype)
     fn = jax.jit(_train_fn(_attn_fn(strategy, mesh)), out_shardings=(sh,) * 3)
     compiled = fn.lower(*args).compile()
     by_kind = costs.hlo_collective_bytes(compiled.as_text())
@@ -110,8 +136,8 @@ def measure_strategy(label, b, lengths, h, hk, d, time_len, iters):
         mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
     if s == time_len:
       key = jax.random.PRNGKey(0)
-      q = jax.device_put(jax.random.normal(key, (b, s, h, d)), sh)
-      k = jax.device_put(jax.random.normal(key, (b, s, hk, d)), sh)
+      q = jax.device_put(jax.random.normal(key, (b, s, h, d), dtype), sh)
+      k = jax.device_put(jax.random.normal(key, (b, s, hk, d), dtype), sh)
       res["_timed"] = (fn, (q, k, k))  # timed round-robin across strategies in run()
   return res
 
@@ -122,7 +148,7 @@ def best_ms(programs: dict, rounds: int) -> dict:
   return {k: t.ms for k, t in time_interleaved(programs, rounds=rounds).items()}
 
 
-def measure_decoder_step(labels, s, iters):
+def measure_decoder_step(labels, s, iters, heads=8):
   """Loss + gradients of a small decoder under each strategy (zigzag data done once)."""
   from flax import nnx
 
@@ -130,7 +156,7 @@ def measure_decoder_step(labels, s, iters):
   from jaxsys.parallel import zigzag
 
   cfg = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=8, num_kv_heads=8)
+                      num_heads=heads, num_kv_heads=heads)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, s + 1), 0, cfg.vocab_size)
   out = {}
   for label in labels:
@@ -243,64 +269,78 @@ def _plots(out, res, budget, dec_times, imb, comm_s):
   plt.close(fig)
 
 
-def run(quick: bool, out_dir: str):
-  b, h, hk, d = 1, 8, 8, 32
+def run(quick: bool, out_dir: str, mesh: dict | None = None, dtype: str = "float32"):
+  """``mesh``: e.g. ``{"ring": 2, "ulysses": 4}`` (the hybrid's shape) or ``{"ulysses": 8}``;
+  default: every strategy over all devices with hybrids 2 x P/2 and P/2 x 2."""
+  n = jax.device_count()
+  if n < 2:
+    raise ConfigError(
+        f"mmsp compares sequence-parallel strategies and needs >= 2 devices; found {n} "
+        f"({jax.devices()[0].platform}). On CPU: python -m experiments.mmsp --devices 8 (simulated "
+        "devices); on GPUs/TPUs: a host or pod slice with more chips (docs/pods.md).")
+  SETUPS.clear()
+  SETUPS.update(make_setups(n, mesh))
+  base, head = _headline(SETUPS)
+  p = SETUPS[base][1][0]
+  b, d = 1, 32
+  h = hk = max(8, max(u for _, (_, u) in SETUPS.values()))  # heads divisible by every Ulysses size
   lengths = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
+  lengths = [max(s_, 16 * p) for s_ in lengths]
   comm_s = time_s = lengths[0] if quick else 4096
-  dec_s = 256 if quick else 1024
+  dec_s = max(256 if quick else 1024, 16 * p)
   iters = 3 if quick else 5
   budget = (32 if quick else 64) * MiB
-  dec_labels = ["ring 8", "hybrid 2x4"]
+  dec_labels = [base, head]
+  jdtype = jnp.dtype(dtype)
 
   impl, impl_error = _pick_impl()
-  res = {label: measure_strategy(label, b, lengths, h, hk, d, time_s, iters) for label in SETUPS}
+  res = {label: measure_strategy(label, b, lengths, h, hk, d, time_s, iters, jdtype) for label in SETUPS}
   step_ms = best_ms({k: v.pop("_timed") for k, v in res.items()}, rounds=2 * iters + 1)
   for label, ms in step_ms.items():
     res[label]["step_ms"] = ms
-  dec_times = measure_decoder_step(dec_labels, dec_s, iters)
+  dec_times = measure_decoder_step(dec_labels, dec_s, iters, heads=h)
   imb = imbalance(comm_s, h)
   fits = {k: longest_fit(v["peak_bytes"], budget) for k, v in res.items()}
   hlo = {k: v["hlo_train"][comm_s] for k, v in res.items()}
   times = {k: v["step_ms"] for k, v in res.items()}
 
-  rows = [Row(f"comm bytes/device/attention layer fwd+bwd (HLO, s={comm_s}), hybrid 2x4 vs ring 8",
-              "MiB (ratio = ring/hybrid)", hlo["hybrid 2x4"] / MiB, baseline=hlo["ring 8"] / MiB,
-              baseline_name="ring 8", ratio=hlo["ring 8"] / hlo["hybrid 2x4"], goal=">= 1")]
+  rows = [Row(f"comm bytes/device/attention layer fwd+bwd (HLO, s={comm_s}), {head} vs {base}",
+              "MiB (ratio = ring/hybrid)", hlo[head] / MiB, baseline=hlo[base] / MiB,
+              baseline_name=base, ratio=hlo[base] / hlo[head], goal=">= 1")]
   for label, r in res.items():
     rows.append(Row(f"comm fwd+bwd {label}: HLO vs formula (s={comm_s})", "MiB (ratio = HLO/formula)",
                     hlo[label] / MiB, baseline=r["analytic_train"][comm_s] / MiB,
                     baseline_name="formula", ratio=hlo[label] / r["analytic_train"][comm_s],
                     note=f"forward-only formula {r['analytic_fwd'][comm_s] / MiB:.3f} MiB; "
                          f"HLO by kind {r['hlo_train_by_kind'][comm_s]}"))
-  rows.append(Row(f"attention-layer train step s={time_s}, hybrid 2x4 vs ring 8", "ms",
-                  times["hybrid 2x4"], baseline=times["ring 8"], baseline_name="ring 8", goal=">= 1"))
+  rows.append(Row(f"attention-layer train step s={time_s}, {head} vs {base}", "ms",
+                  times[head], baseline=times[base], baseline_name=base, goal=">= 1"))
   for label in SETUPS:
-    if label not in ("ring 8", "hybrid 2x4"):
-      rows.append(Row(f"attention-layer train step s={time_s}, {label} vs ring 8", "ms",
-                      times[label], baseline=times["ring 8"], baseline_name="ring 8"))
-  rows.append(Row(f"decoder train step (2 layers, s={dec_s}), hybrid 2x4 vs ring 8", "ms",
-                  dec_times["hybrid 2x4"], baseline=dec_times["ring 8"], baseline_name="ring 8"))
-  p = 8
-  rows.append(Row("causal work imbalance max/mean FLOPs per rank, zigzag vs contiguous ring (P=8)",
-                  "max/mean", imb["zigzag 8"]["visible"], baseline=imb["ring 8"]["visible"],
+    if label not in (base, head):
+      rows.append(Row(f"attention-layer train step s={time_s}, {label} vs {base}", "ms",
+                      times[label], baseline=times[base], baseline_name=base))
+  rows.append(Row(f"decoder train step (2 layers, s={dec_s}), {head} vs {base}", "ms",
+                  dec_times[head], baseline=dec_times[base], baseline_name=base))
+  rows.append(Row(f"causal work imbalance max/mean FLOPs per rank, zigzag vs contiguous ring (P={p})",
+                  "max/mean", imb[f"zigzag {p}"]["visible"], baseline=imb[base]["visible"],
                   baseline_name="contiguous ring", ideal=1.0, goal="<= 1.01 (ours)",
                   note=f"contiguous ring formula (2P-1)/P = {(2 * p - 1) / p:.3f}; executed-block "
-                       f"imbalance zigzag {imb['zigzag 8']['executed']:.3f} vs ring "
-                       f"{imb['ring 8']['executed']:.3f}"))
-  rows.append(Row("causal work imbalance max/mean FLOPs per rank, hybrid 2x4", "max/mean",
-                  imb["hybrid 2x4"]["visible"], ideal=1.0, goal="<= 1.01 (ours)"))
+                       f"imbalance zigzag {imb[f'zigzag {p}']['executed']:.3f} vs ring "
+                       f"{imb[base]['executed']:.3f}"))
+  rows.append(Row(f"causal work imbalance max/mean FLOPs per rank, {head}", "max/mean",
+                  imb[head]["visible"], ideal=1.0, goal="<= 1.01 (ours)"))
   for label in SETUPS:
-    if label != "ring 8":
-      rows.append(Row(f"longest sequence in {budget / MiB:.0f} MiB/device (interpolated), {label} vs ring 8",
-                      "tokens (ratio = ours/ring)", fits[label], baseline=fits["ring 8"],
-                      baseline_name="ring 8",
-                      ratio=fits[label] / fits["ring 8"] if fits["ring 8"] else None))
+    if label != base:
+      rows.append(Row(f"longest sequence in {budget / MiB:.0f} MiB/device (interpolated), {label} vs {base}",
+                      "tokens (ratio = ours/ring)", fits[label], baseline=fits[base],
+                      baseline_name=base,
+                      ratio=fits[label] / fits[base] if fits[base] else None))
 
   out = run_dir(NAME, out_dir)
   _plots(out, res, budget, dec_times, imb, comm_s)
   config = {"batch": b, "heads": h, "kv_heads": hk, "head_dim": d, "comm_seq": comm_s,
             "memory_lengths": lengths, "budget_mib": budget / MiB, "time_seq": time_s,
-            "decoder_seq": dec_s, "devices": jax.device_count(), "dtype": "float32",
+            "decoder_seq": dec_s, "devices": jax.device_count(), "dtype": dtype, "mesh": mesh,
             "mask": "causal", "setups": {k: list(v[1]) for k, v in SETUPS.items()},
             "attention_impl": impl, "auto_impl_error": impl_error}
   extra = {"per_strategy": {k: {kk: ({str(a): b_ for a, b_ in vv.items()} if isinstance(vv, dict) else vv)

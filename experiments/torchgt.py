@@ -13,25 +13,23 @@
     compiled memory plan of the graph-parallel training step and a per-device budget.
 """
 
-import os
+import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
-    "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxsys import graphs as G  # noqa: E402
-from jaxsys.core.bench import compiled_memory, time_fn, time_interleaved  # noqa: E402
-from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
-from jaxsys.nn.graph import GraphAttention, graph_inputs  # noqa: E402
-from jaxsys.ops import graph_attn as GA  # noqa: E402
+from jaxsys import graphs as G
+from jaxsys.core.bench import compiled_memory, time_fn, time_interleaved
+from jaxsys.core.errors import ConfigError
+from jaxsys.core.results import Row, run_dir, write_result
+from jaxsys.nn.graph import GraphAttention, graph_inputs
+from jaxsys.ops import graph_attn as GA
 
 NAME = "torchgt"
+DEVICES = 8  # simulated CPU devices by default (--devices N)
+MESH_EXAMPLE = "graph=8"
 HEADS, HEAD_DIM = 4, 16
 BLOCK = 64
 NO_TILES = 2.0  # a density threshold no tile reaches: ECR off, the edge kernel alone
@@ -422,9 +420,16 @@ _PART_FUNCS = (cora_accuracy, scaling, community_sweep, train_large, pyg_compari
 PARTS = tuple(f.__name__ for f in _PART_FUNCS)
 
 
-def run(quick: bool, out_dir: str, parts=None):
-  """``parts``: names from ``PARTS`` to run alone (written as ``torchgt_<parts>``, no plots)."""
+def run(quick: bool, out_dir: str, parts=None, mesh: dict | None = None):
+  """``parts``: names from ``PARTS`` to run alone (written as ``torchgt_<parts>``, no plots).
+  ``mesh``: ``{"graph": P}`` caps the memory-scaling part at P devices (default: all)."""
   s = _settings(quick)
+  if mesh is not None and set(mesh) != {"graph"}:
+    raise ConfigError(f"--mesh {mesh}: torchgt takes graph=P")
+  top = (mesh or {}).get("graph", jax.device_count())
+  if top > jax.device_count():
+    raise ConfigError(f"--mesh graph={top} needs {top} devices; found {jax.device_count()} (on CPU: --devices {top})")
+  s["devices"] = [p for p in s["devices"] if p <= top] or [1]
   if parts and set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
   name = "_".join([NAME, *parts]) if parts else NAME

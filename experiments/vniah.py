@@ -12,28 +12,24 @@ devices, two-stage multimodal sharding) on a frames x depth grid up to ``2 * F2`
 exact match of the greedy two-digit answer. Heatmaps are saved for both.
 """
 
-import os
+import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+import jax
+from flax import nnx
 
-import time  # noqa: E402
-
-import jax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxsys.core.mesh import make_mesh  # noqa: E402
-from jaxsys.core.results import Row, run_dir, write_result  # noqa: E402
-from jaxsys.data import video  # noqa: E402
-from jaxsys.eval.vniah import plot_heatmap, seq_bucket, vniah_grid  # noqa: E402
-from jaxsys.models.vlm import VLM, VLMConfig, rebuild, vlm_loss, with_rope_theta  # noqa: E402
-from jaxsys.nn.rope import RopeConfig  # noqa: E402
-from jaxsys.parallel import api, multimodal, zigzag  # noqa: E402
-from jaxsys.parallel.distributed import initialize_distributed  # noqa: E402
-from jaxsys.train import TrainConfig, train  # noqa: E402
+from jaxsys.core.errors import ConfigError
+from jaxsys.core.mesh import make_mesh
+from jaxsys.core.results import Row, run_dir, write_result
+from jaxsys.data import video
+from jaxsys.eval.vniah import plot_heatmap, seq_bucket, vniah_grid
+from jaxsys.models.vlm import VLM, VLMConfig, rebuild, vlm_loss, with_rope_theta
+from jaxsys.nn.rope import RopeConfig
+from jaxsys.parallel import api, multimodal, zigzag
+from jaxsys.train import TrainConfig, train
 
 NAME = "vniah"
+DEVICES = 8  # simulated CPU devices by default (--devices N)
+MESH_EXAMPLE = "ring=2,ulysses=4"
 
 
 def _batches(spec, cfg, plan, *, frames, max_frames, batch_size, seed, sharded):
@@ -61,8 +57,15 @@ def train_stage(model, spec, *, frames, steps, lr, batch_size, seed, mesh, plan)
   return res.history, time.perf_counter() - t0, seq
 
 
-def run(quick: bool, out_dir: str):
-  initialize_distributed()  # no-op on one host
+def run(quick: bool, out_dir: str, mesh: dict | None = None):
+  """``mesh``: the evaluation's (and full mode's training) ring x ulysses mesh, default 2 x 4."""
+  axes = dict(mesh or {"ring": 2, "ulysses": 4})
+  if set(axes) - {"ring", "ulysses"}:
+    raise ConfigError(f"--mesh {axes}: vniah takes ring=R,ulysses=U")
+  need = axes.get("ring", 1) * axes.get("ulysses", 1)
+  if jax.device_count() < need:
+    raise ConfigError(f"vniah's mesh {axes} needs {need} devices; found {jax.device_count()}. On CPU: "
+                      f"--devices {need} (simulated); on GPUs/TPUs use more chips or a smaller --mesh")
   spec = video.VideoSpec()
   f1, f2 = 8, 32                      # short stage / extension stage frame counts
   theta, theta_scale = 1e4, 4.0
@@ -76,7 +79,7 @@ def run(quick: bool, out_dir: str):
     train_sp = True
   cfg = VLMConfig()
   cfg = VLMConfig(lm=cfg.lm.replace(rope=RopeConfig(theta=theta)))
-  sp_mesh = make_mesh({"ring": 2, "ulysses": 4})
+  sp_mesh = make_mesh({"ring": axes.get("ring", 1), "ulysses": axes.get("ulysses", 1)})
   single = make_mesh({"ring": 1}, jax.devices()[:1])
   train_mesh = sp_mesh if train_sp else None
   model = VLM(cfg, rngs=nnx.Rngs(0), mesh=train_mesh, strategy="hybrid")

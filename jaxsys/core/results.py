@@ -82,18 +82,28 @@ def evaluate_goal(goal: str, row: Row) -> bool | None:
 
 def write_result(name: str, rows: list[Row], *, config: dict | None = None, quick: bool = False,
                  out_dir: str | os.PathLike | None = None, extra: dict | None = None) -> Path:
-  """Writes ``<out_dir>/<name>/result.json`` (out_dir defaults to ``$JAXSYS_RUNS`` or ``runs``)."""
+  """Writes ``<out_dir>/<name>/result.json`` (out_dir defaults to ``$JAXSYS_RUNS`` or ``runs``).
+
+  Atomic (a temporary file renamed over the old one). In a multi-process job only process 0
+  writes; the others return the path without touching it.
+  """
+  import jax
+
   from jaxsys.core.bench import hardware_string
   if not rows:
     raise ConfigError(f"experiment {name!r} produced no rows")
   out = Path(out_dir or os.environ.get("JAXSYS_RUNS", "runs")) / name
+  path = out / "result.json"
+  if jax.process_index() != 0:
+    return path
   out.mkdir(parents=True, exist_ok=True)
   payload = {"name": name, "hardware": hardware_string(), "config": config or {},
-             "quick": quick, "rows": [r.to_json() for r in rows]}
+             "quick": quick, "processes": jax.process_count(), "rows": [r.to_json() for r in rows]}
   if extra:
     payload.update(extra)
-  path = out / "result.json"
-  path.write_text(json.dumps(payload, indent=2, default=str))
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(payload, indent=2, default=str))
+  os.replace(tmp, path)
   return path
 
 

@@ -1,0 +1,69 @@
+"""The flags every experiment shares (``experiments/_cli.py``): --devices, --mesh, --dtype, and a
+clear message where the machine has too few devices."""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxsys.core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, env_extra=None):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(env_extra or {})
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=120)
+
+
+def test_parse_mesh():
+  from experiments._cli import parse_mesh
+  assert parse_mesh("ring=2,ulysses=4") == {"ring": 2, "ulysses": 4}
+  assert parse_mesh(" graph = 8 ") == {"graph": 8}
+  for bad in ("ring", "ring=0", "ring=2,ring=2", "ring=x", ""):
+    with pytest.raises(argparse.ArgumentTypeError):
+      parse_mesh(bad)
+
+
+def test_help_lists_the_flags_each_experiment_takes():
+  mm = _run("-m", "experiments.mmsp", "--help")
+  assert mm.returncode == 0, mm.stderr
+  for flag in ("--devices", "--mesh", "--dtype", "ring=2,ulysses=4"):
+    assert flag in mm.stdout
+  cl = _run("-m", "experiments.cluster", "--help")
+  assert cl.returncode == 0 and "--devices" in cl.stdout and "--mesh" not in cl.stdout
+
+
+def test_devices_flag_sets_the_simulated_cpu_count():
+  code = ("import experiments._cli as c; c.set_cpu_devices(3); import jax; "
+          "print(jax.device_count()); c.set_cpu_devices(3)\n"
+          "try:\n  c.set_cpu_devices(5)\nexcept RuntimeError as e:\n  print('late:', e)")
+  r = _run("-c", code, env_extra={"JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.splitlines()[0] == "3" and "already started with 3 devices" in r.stdout
+
+
+def test_one_device_gets_a_message_saying_how_to_get_more():
+  r = _run("-m", "experiments.mmsp", "--devices", "1", "--quick", "--out", os.devnull)
+  assert r.returncode == 2
+  assert "needs >= 2 devices" in r.stderr and "--devices 8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_mmsp_setups_follow_the_mesh():
+  from experiments.mmsp import _headline, make_setups
+  s = make_setups(8)
+  assert {"ring 8", "zigzag 8", "ulysses 8", "hybrid 2x4", "hybrid 4x2", "allgather 8"} == set(s)
+  assert _headline(s) == ("ring 8", "hybrid 2x4")
+  s = make_setups(8, {"ulysses": 8})
+  assert not any(v[0] == "hybrid" for v in s.values()) and _headline(s) == ("ring 8", "ulysses 8")
+  s = make_setups(8, {"ring": 2, "ulysses": 2})  # a 4-device mesh on an 8-device host
+  assert s["hybrid 2x2"] == ("hybrid", (2, 2)) and "ring 4" in s
+  with pytest.raises(ConfigError, match="--devices 16"):
+    make_setups(8, {"ring": 4, "ulysses": 4})
+  with pytest.raises(ConfigError, match="not used by mmsp"):
+    make_setups(8, {"graph": 8})
