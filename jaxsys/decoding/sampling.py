@@ -2,7 +2,7 @@
 
 Every sampler in the library (``generate``, the serving engine, the rollout engine, speculative
 acceptance) uses :class:`SamplingParams` with one convention, vLLM's: ``temperature == 0`` is
-greedy, ``top_k == 0`` and ``top_p == 1`` are off. Lossless speculative sampling must reproduce
+greedy, ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` are off. Lossless speculative sampling must reproduce
 *the distribution vanilla sampling draws from*, so temperature / top-k / top-p are applied to the
 target logits first (the processed distribution ``p``) and acceptance works on ``p``.
 
@@ -14,6 +14,9 @@ Usage::
 
 Inside a compiled loop whose temperature / top-p should not be compile-time constants,
 :func:`sample_logits` takes them as traced values (only ``greedy`` and ``top_k`` are static).
+A batch whose rows each carry their own parameters (the serving engine's requests) samples with
+:func:`sample_rows` (every parameter a traced ``[batch]`` array, one key per row) and reports
+log-probabilities with :func:`token_logprobs`.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from jaxsys.core.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """``temperature`` >= 0 (0: greedy), ``top_k`` >= 0 (0: off), ``top_p`` in (0, 1] (1: off);
+  ``min_p`` in [0, 1] (0: off) drops tokens less likely than ``min_p`` times the most likely one;
   ``seed`` (an int >= 0) makes a sampled run reproducible."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
+  min_p: float = 0.0
 
   def __post_init__(self):
     t, k, p = self.temperature, self.top_k, self.top_p
@@ -46,6 +51,9 @@ class SamplingParams:
       raise ConfigError(f"top_k={k!r} must be an int >= 0 (0 disables top-k)")
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
       raise ConfigError(f"top_p={p!r} must be in (0, 1] (1 disables top-p)")
+    m = self.min_p
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0.0 <= m <= 1.0):
+      raise ConfigError(f"min_p={m!r} must be in [0, 1] (0 disables min-p)")
 
   @property
   def greedy(self) -> bool:
@@ -61,11 +69,12 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def filtered_logits(logits, params: SamplingParams):
   """Temperature-scaled logits with filtered-out tokens at -inf (float32). Not for greedy."""
-  return _filter(logits, params.temperature, params.top_k, params.top_p if params.top_p < 1.0 else None)
+  return _filter(logits, params.temperature, params.top_k, params.top_p if params.top_p < 1.0 else None,
+                 params.min_p or None)
 
 
-def _filter(logits, temperature, top_k: int, top_p):
-  """``top_k`` static (0: off); ``temperature`` and ``top_p`` (None: off) may be traced."""
+def _filter(logits, temperature, top_k: int, top_p, min_p=None):
+  """``top_k`` static (0: off); ``temperature``, ``top_p`` and ``min_p`` (None: off) may be traced."""
   x = logits.astype(jnp.float32) / temperature
   vocab = x.shape[-1]
   if top_k and top_k < vocab:
@@ -81,7 +90,16 @@ def _filter(logits, temperature, top_k: int, top_p):
     keep_sorted = mass_before < top_p
     keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
     x = jnp.where(keep, x, -jnp.inf)
+  if min_p is not None:
+    x = _min_p(x, min_p)
   return x
+
+
+def _min_p(x, min_p):
+  """Drops tokens whose probability is below ``min_p`` x the largest (Nguyen et al. 2024, min-p
+  sampling): in log space ``x < max(x) + log(min_p)``; ``min_p`` broadcasts against ``x[..., :1]``."""
+  thresh = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))
+  return jnp.where(x < thresh, -jnp.inf, x)
 
 
 def target_probs(logits, params: SamplingParams):
@@ -110,3 +128,39 @@ def sample_probs(key, probs):
   """Samples from explicit probabilities ``[..., vocab]`` (rows need not be normalised)."""
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
   return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(keys, logits, temperature, top_k, top_p, min_p):
+  """Per-row sampling: row ``i`` of ``logits float32[b, vocab]`` is drawn with ``keys[i]`` from the
+  distribution of ``SamplingParams(temperature[i], top_k[i], top_p[i], min_p=min_p[i])`` (all
+  parameters traced ``[b]`` arrays; ``temperature[i] == 0`` is greedy). Returns ``int32[b]``.
+
+  The filters run in :func:`filtered_logits`' order (temperature, top-k, top-p, min-p) on one
+  descending sort of each row; a row's draw depends only on its own key and logits, so a request
+  samples the same tokens whichever other requests share its batch.
+  """
+  x = logits.astype(jnp.float32)
+  vocab = x.shape[-1]
+  greedy = temperature <= 0
+  x = x / jnp.where(greedy, 1.0, temperature)[:, None]
+  desc = -jnp.sort(-x, axis=-1)  # [b, vocab]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  rank = jnp.arange(vocab)[None, :]
+  desc = jnp.where(rank < k[:, None], desc, -jnp.inf)  # top-k (ties at the k-th value all stay)
+  x = jnp.where(x < jnp.take_along_axis(desc, k[:, None] - 1, axis=-1), -jnp.inf, x)
+  p = jax.nn.softmax(desc, axis=-1)
+  keep = ((jnp.cumsum(p, axis=-1) - p) < top_p[:, None]) | (top_p >= 1.0)[:, None]  # crossing token stays
+  last = jnp.sum(keep, axis=-1, keepdims=True) - 1
+  x = jnp.where(x < jnp.take_along_axis(desc, last, axis=-1), -jnp.inf, x)
+  x = jnp.where((min_p > 0)[:, None], _min_p(x, min_p[:, None]), x)
+  drawn = jax.vmap(lambda kk, row: jax.random.categorical(kk, row))(keys, x)
+  return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def token_logprobs(logits, tokens, top: int):
+  """The model's log-probabilities (temperature 1, before any filter, as the OpenAI API reports
+  them): ``(chosen float32[b], top_ids int32[b, top], top_logprobs float32[b, top])``."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  vals, ids = jax.lax.top_k(logp, top)
+  return chosen, ids.astype(jnp.int32), vals

@@ -20,11 +20,23 @@ served; one that does not fit *now* waits for pages to be freed.
 An exception or ``KeyboardInterrupt`` at any point of ``generate`` propagates after every page of
 the call went back to the pool (as vLLM aborts a request): the engine stays usable.
 
+**Step-level API** (``scheduler.py``; what the OpenAI server drives): ``add_request(prompt,
+RequestParams(...), request_id)`` queues a request (token ids, or with ``tokenizer=`` a string
+or a chat), each ``step()`` runs one iteration of continuous batching (decode of the running
+sequences plus prefill chunks under the token budget ``max_num_batched_tokens``, prefix cache,
+preemption by recompute) and returns every running sequence's new tokens and text;
+``abort(request_id)`` frees a request's pages at once.
+
 Usage::
 
   engine = ServingEngine(model, ServingConfig(max_batch=4, num_pages=512), streaming=gates.streaming)
   res = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
   res.tokens[0], res.errors[1]
+
+  engine = ServingEngine(model, ServingConfig(max_batch=8, num_pages=512), tokenizer=tok)
+  engine.add_request([{"role": "user", "content": "Hi"}], RequestParams(max_tokens=32), "r1")
+  while engine.has_unfinished():
+    outs = engine.step()               # [StepOutput(request_id, index, new_token_ids, new_text, ...)]
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import sys
 import time
 
@@ -47,6 +60,10 @@ from jaxsys.decoding.sampling import GREEDY, SamplingParams, sample
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError
 from jaxsys.serving.paged_views import PagedDecode
 from jaxsys.serving.prefill import check_model, prefill
+from jaxsys.serving.requests import RequestParams, StepOutput
+from jaxsys.serving.scheduler import Scheduler
+
+_ids = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +71,9 @@ class ServingConfig:
   """Slots, pool and sequence limits of the engine and its attention mode (``lserve``).
 
   ``max_seq_len`` bounds prompt + new tokens of a request; the engine lowers it to the model's
-  context length (``generate.context_length``) where that is shorter.
+  context length (``generate.context_length``) where that is shorter. ``max_num_batched_tokens``
+  is the step API's token budget per step (decode tokens + prefill chunk tokens);
+  ``prefix_caching`` shares full prompt pages between requests of the step API.
   """
   lserve: lserve_lib.LServeConfig = lserve_lib.LServeConfig()
   max_batch: int = 4
@@ -62,9 +81,14 @@ class ServingConfig:
   max_seq_len: int = 4096
   prefill_chunk: int = 4096
   min_prompt_bucket: int = 16
+  max_num_batched_tokens: int = 2048
+  prefix_caching: bool = True
 
   def __post_init__(self):
     check_min(self, 1, "max_batch", "num_pages", "max_seq_len", "prefill_chunk", "min_prompt_bucket")
+    if self.max_num_batched_tokens < self.max_batch + 1:
+      raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed "
+                        f"max_batch={self.max_batch} (room for a prefill chunk beside every decode)")
     if self.max_seq_len > self.num_pages * self.lserve.page_size:
       raise ConfigError(f"max_seq_len={self.max_seq_len} exceeds the pool: num_pages={self.num_pages} "
                         f"x page_size={self.lserve.page_size}")
@@ -99,8 +123,10 @@ class _Request:
 class ServingEngine:
   """See the module docstring."""
 
-  def __init__(self, model, config: ServingConfig = ServingConfig(), streaming=None):
+  def __init__(self, model, config: ServingConfig = ServingConfig(), streaming=None, *,
+               tokenizer=None, stop_tokens=None):
     self.model = model
+    self.tokenizer = tokenizer
     self.config = config
     ls = config.lserve
     mc = model.config
@@ -122,6 +148,36 @@ class ServingEngine:
     self._graphdef, self._params = nnx.split(model)
     self._numbers = None  # per-layer retrieval selections [slots, r_l, K]
     self._since_select = 0
+    from jaxsys.serving.generation import default_stop_tokens  # noqa: PLC0415
+    self.stop_tokens = tuple(default_stop_tokens(mc, tokenizer) if stop_tokens is None else stop_tokens)
+    self._keep_logits = False
+    self.scheduler = Scheduler(self, tokenizer)
+
+  # -- step-level API (scheduler.py) ----------------------------------------------------------
+  def add_request(self, prompt, params: RequestParams | None = None, request_id: str | None = None) -> str:
+    """Queues a request (token ids; a string or chat with a tokenizer); returns its id.
+
+    Raises ``InputError`` for a bad prompt, a duplicate id, or prompt + ``max_tokens`` beyond
+    ``max_seq_len`` / the model's context / the pool (nothing is queued then)."""
+    if request_id is None:
+      request_id = f"req-{next(_ids)}"
+    return self.scheduler.add(prompt, params, str(request_id))
+
+  def step(self) -> list[StepOutput]:
+    """One iteration: the new tokens (and text) of every sequence that advanced."""
+    return self.scheduler.step()
+
+  def abort(self, request_id: str) -> bool:
+    """Drops a queued or running request and frees its pages (False if it is not live)."""
+    return self.scheduler.abort(str(request_id))
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished()
+
+  @property
+  def num_free_pages(self) -> int:
+    """Pages a new request could take: free plus cached-but-unreferenced ones."""
+    return self.cache.alloc.num_free
 
   # -- admission ----------------------------------------------------------------------------
   def _capacity_error(self, n_tokens: int) -> str | None:
@@ -157,6 +213,8 @@ class ServingEngine:
     ``max_new_tokens``: an int or one per prompt. ``sampling=None`` is greedy.
     """
     mc = self.model.config
+    if self.scheduler.has_unfinished():
+      raise InputError("generate() cannot run while step-API requests are live; abort them first")
     arrs = check_prompts(prompts, mc.vocab_size)
     news = [max_new_tokens] * len(arrs) if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
     if len(news) != len(arrs) or any(int(m) < 1 for m in news):
@@ -261,12 +319,19 @@ class ServingEngine:
   def _step(self, slots, key, s, reselect):
     """One decode step over all slots: writes each live request's last token, samples the next."""
     rids = [None if r is None else r.index for r in slots]
+    tokens = np.array([0 if r is None else r.out[-1] for r in slots], np.int32)
+    logits, toks = self._decode(rids, tokens, reselect, key, s)
+    return np.asarray(logits), np.asarray(toks)
+
+  def _decode(self, rids, tokens, reselect, key=None, s=GREEDY):
+    """The decode step over the slots ``rids`` (None: empty) with each one's last token
+    ``tokens int32[slots]``: ``(logits [slots, vocab], tokens sampled with s)`` (device arrays)."""
+    key = jax.random.PRNGKey(0) if key is None else key
     for rid in rids:
       if rid is not None:
         self.cache.extend(rid, 1)
     bt, stt, lengths = self.cache.block_tables(rids, self.max_pages)
-    tokens = np.array([0 if r is None else r.out[-1] for r in slots], np.int32)
-    active = np.array([r is not None for r in slots])
+    active = np.array([r is not None for r in rids])
     sel = self.selection
     if sel is not None:
       reselect = reselect or self._numbers is None or self._since_select >= sel.reuse_steps
@@ -281,7 +346,7 @@ class ServingEngine:
     for i, rid in enumerate(rids):
       if rid is not None:
         self.cache.seqs[rid].length += 1
-    return np.asarray(logits), np.asarray(toks)
+    return logits, toks
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))

@@ -162,7 +162,8 @@ class PagedKVCache:
 
   def __init__(self, config: PagedCacheConfig):
     self.config = config
-    self.alloc = PageAllocator(config.num_pages)
+    from jaxsys.serving.prefix_cache import PrefixCachingAllocator  # noqa: PLC0415 (imports this module)
+    self.alloc = PrefixCachingAllocator(config.num_pages)
     self.stream_alloc = PageAllocator(config.num_stream_pages)
     self.seqs: dict = {}
     self.state = init_state(config)
@@ -184,12 +185,21 @@ class PagedKVCache:
       raise PoolExhaustedError(f"a request of {num_tokens} tokens needs {need} pages; "
                                f"{self.alloc.num_free} are free")
 
-  def admit(self, rid, num_tokens: int) -> PagedSequence:
-    """Reserves pages for ``num_tokens`` tokens of a new request (all or nothing)."""
+  def admit(self, rid, num_tokens: int, shared=()) -> PagedSequence:
+    """Reserves pages for ``num_tokens`` tokens of a new request (all or nothing). ``shared``:
+    prefix-cache pages it starts with (already referenced for it: ``alloc.lookup``); they count
+    toward ``num_tokens``, and are given back if the admission fails."""
+    shared = list(shared)
     if rid in self.seqs:
+      self.alloc.free(shared)
       raise InputError(f"request {rid!r} is already live")
-    self.check_admissible(num_tokens)
-    seq = PagedSequence(length=0, pages=self.alloc.allocate(self.pages_for(num_tokens)),
+    try:
+      self.check_admissible(max(num_tokens - len(shared) * self.config.page_size, 0))
+      own = self.alloc.allocate(max(self.pages_for(num_tokens) - len(shared), 0))
+    except PoolExhaustedError:
+      self.alloc.free(shared)
+      raise
+    seq = PagedSequence(length=0, pages=shared + own,
                         stream_pages=self.stream_alloc.allocate(self.config.stream_pages_per_request))
     self.seqs[rid] = seq
     return seq
@@ -214,6 +224,7 @@ class PagedKVCache:
       self.release(rid)
     if any(x.is_deleted() for x in jax.tree.leaves(self.state) if isinstance(x, jax.Array)):
       self.state = init_state(self.config)
+      self.alloc.clear()
 
   def block_tables(self, rids, max_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(pages int32[b, max_pages], stream_pages int32[b, S], lengths int32[b])``; pads with page 0."""

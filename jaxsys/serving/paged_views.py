@@ -9,6 +9,10 @@ keys/values into the pools (``paged_cache.write_tokens``) and computes that laye
   retrieval heads, ``Sink | Local`` for streaming heads, one ``MultiHead`` call per layer) over
   the prompt prefix so far, which is kept in per-layer contiguous buffers ``kbuf``/``vbuf`` when
   the prompt runs in several chunks (``None`` for a single chunk).
+* :class:`PagedChunk`: a chunk of one request's sequence at a traced offset, after earlier chunks
+  (or prefix-cache pages) already filled the pages before it; attention reads the prefix back
+  from the request's pages. Only for caches without streaming heads (every head keeps every
+  token), which is what step-level chunked prefill and prefix caching need.
 * :class:`PagedDecode`: one decode token per slot. Retrieval heads read the pages of the
   hierarchical selector (re-selected or reused, ``numbers``), streaming heads sink + local pages
   (``lserve.decode_attention``).
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxsys.decoding.cache import replace_at
 from jaxsys.serving import lserve as lserve_lib
-from jaxsys.serving.paged_cache import PagedCacheConfig, write_tokens
+from jaxsys.serving.paged_cache import PagedCacheConfig, read_pages, write_tokens
 
 _static = dict(metadata=dict(static=True))
 
@@ -70,6 +74,41 @@ class PagedPrefill:
     return o, new
 
   def advance(self, seq: int) -> "PagedPrefill":
+    return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedChunk:
+  """``[1, chunk]`` tokens at positions ``offset + arange(chunk)`` (``valid`` marks real ones)."""
+  state: Any
+  block_table: Any          # int32[1, P] the request's pages covering [0, offset + chunk)
+  stream_table: Any         # int32[1, stream_pages] (unused: no streaming heads)
+  positions: Any            # int32[1, chunk]
+  valid: Any                # bool[1, chunk]
+  offset: Any               # int32[1] position of the chunk's first token
+  kv_lengths: Any           # int32[1] offset + valid tokens
+  config: PagedCacheConfig = dataclasses.field(**_static)
+  impl: str = dataclasses.field(default="auto", **_static)
+
+  lengths = None
+
+  def attend(self, layer: int, attn, q, k, v):
+    from jaxsys.ops import attention, masks
+    c = self.config
+    st = write_tokens(c, self.state, layer, k, v, self.block_table, self.stream_table,
+                      self.positions, self.valid)
+    n = self.block_table.shape[1]
+    # [P, kv_heads, page, d] -> [1, P * page, kv_heads, d]: the request's keys so far, this chunk included
+    kp = read_pages(st, "k", layer, self.block_table[0])
+    vp = read_pages(st, "v", layer, self.block_table[0])
+    kk = jnp.swapaxes(kp, 1, 2).reshape(1, n * c.page_size, kp.shape[1], -1).astype(q.dtype)
+    vv = jnp.swapaxes(vp, 1, 2).reshape(1, n * c.page_size, vp.shape[1], -1).astype(q.dtype)
+    o = attention(q, kk, vv, mask=masks.Causal(), q_offset=self.offset, kv_lengths=self.kv_lengths,
+                  impl=self.impl)
+    return o, dataclasses.replace(self, state=st)
+
+  def advance(self, seq: int) -> "PagedChunk":
     return self
 
 

@@ -11,9 +11,16 @@ statistics; streaming pool keeps only the sink and the last window).
 Very long prompts run in chunks of ``chunk`` tokens: chunk ``c`` attends to the prompt prefix
 ``[0, (c + 1) * chunk)`` with ``q_offset = c * chunk``, bounding activation memory by the chunk.
 
+The step-level engine prefills one chunk per call instead (:func:`prefill_chunk`): the chunk at
+a traced offset reads the prefix written by earlier steps (or shared by the prefix cache) back
+from the request's pages (``paged_views.PagedChunk``), so a long prompt advances between decode
+steps of the other requests.
+
 Usage::
 
   st, hidden = prefill(model, cache_cfg, st, tokens, length, block_table, stream_table, chunk=4096)
+  st, hidden = prefill_chunk(graphdef, params, cache_cfg, st, tokens, offset, n, block_table,
+                             stream_table)                           # hidden of the chunk's last token
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops import attention, masks
 from jaxsys.serving.paged_cache import PagedCacheConfig
-from jaxsys.serving.paged_views import PagedPrefill
+from jaxsys.serving.paged_views import PagedChunk, PagedPrefill
 
 
 def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
@@ -105,3 +112,23 @@ def _prefill(graphdef, params, c, st, tokens, length, block_table, stream_table,
   h = jnp.concatenate(hidden, axis=1)  # [b, t, embed] after the final norm
   last = jnp.take_along_axis(h, jnp.broadcast_to(length - 1, (b, 1, 1)), axis=1)[:, 0]
   return st, last
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 9), donate_argnums=(3,))
+def prefill_chunk(graphdef, params, c: PagedCacheConfig, st, tokens, offset, n, block_table,
+                  stream_table, impl: str = "auto"):
+  """``tokens int32[1, chunk]`` (the first ``n`` real) at positions ``offset + arange(chunk)`` into
+  the pages of ``block_table int32[1, P]`` (which must cover ``offset + n`` tokens); earlier
+  positions must already be in those pages. Returns ``(state, hidden [1, embed])`` of token
+  ``offset + n - 1`` (final norm applied). Donates ``st``."""
+  model = nnx.merge(graphdef, params)
+  t = tokens.shape[1]
+  offset = jnp.reshape(offset, (1,)).astype(jnp.int32)
+  n = jnp.asarray(n, jnp.int32)
+  ar = jnp.arange(t, dtype=jnp.int32)[None, :]
+  pos = offset[:, None] + ar
+  view = PagedChunk(st, block_table, stream_table, pos, ar < n, offset, offset + n, config=c,
+                    impl=impl)
+  h, view = model.forward_hidden(tokens, positions=pos, cache=view)
+  last = jnp.take_along_axis(h, jnp.broadcast_to(n - 1, (1, 1, 1)), axis=1)[:, 0]
+  return view.state, last

@@ -1,0 +1,369 @@
+"""The step-level scheduler of ``ServingEngine``: ``add_request`` / ``step`` / ``abort``.
+
+One ``step()`` is one iteration of continuous batching (vLLM's scheduler, Orca's
+iteration-level scheduling) under a token budget ``ServingConfig.max_num_batched_tokens``:
+
+1. every decoding sequence gets room for one more token (a page at a page boundary); when the
+   pool is out of pages the newest running sequence is **preempted by recompute**: its pages go
+   back, it returns to the front of the queue with its prompt + the tokens it already generated,
+   and a later prefill of those tokens resumes it where it stopped (its sampling keys depend
+   only on its seed, choice and token index, so it produces the output it would have had);
+2. the rest of the budget goes to **prefill chunks** (at most ``prefill_chunk`` tokens each) of
+   the sequences still prefilling, oldest first, then to newly admitted ones while batch slots
+   are free: a long prompt advances chunk by chunk between the others' decode steps;
+3. admission looks up the prompt's full pages in the **prefix cache** (``prefix_cache.py``) and
+   prefills only the tokens after the cached prefix;
+4. one jitted decode step runs over all slots, and each sequence whose prompt is now complete
+   or that decoded samples its next token with its own parameters (``sampling.sample_rows``).
+
+Chunked prefill across steps and prefix caching read the prefix back from the pages, which
+needs every kv head to keep every token: with LServe streaming heads (whose sink + local pages
+are per request) a prompt is prefilled whole at admission (``prefill.prefill``, chunked inside one
+call) and nothing is shared.
+
+Usage (through the engine)::
+
+  engine = ServingEngine(model, ServingConfig(max_batch=8, num_pages=512), tokenizer=tok)
+  engine.add_request("The capital of France is", RequestParams(max_tokens=8), "a")
+  while engine.has_unfinished():
+    for out in engine.step():
+      print(out.request_id, out.new_text, out.finish_reason)
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsys.core.errors import InputError
+from jaxsys.decoding.core import bucket, check_prompts
+from jaxsys.decoding.sampling import sample_rows, token_logprobs
+from jaxsys.serving.paged_cache import PoolExhaustedError
+from jaxsys.serving.prefill import prefill_chunk
+from jaxsys.serving.prefix_cache import page_keys
+from jaxsys.serving.requests import (DECODE, FINISHED, MAX_TOP_LOGPROBS, PREFILL, WAITING, RequestParams,
+                                     SeqState, StepOutput, TextStream, TokenLogprob)
+
+log = logging.getLogger("jaxsys.serving")
+
+
+class Scheduler:
+  """See the module docstring. Not thread-safe: one thread drives it (the server's engine loop)."""
+
+  def __init__(self, engine, tokenizer=None):
+    self.engine = engine
+    self.tokenizer = tokenizer
+    c = engine.config
+    self.chunked = not engine.cache_config.streaming_flags().any()
+    self.prefix_caching = self.chunked and c.prefix_caching
+    self.waiting: collections.deque[SeqState] = collections.deque()
+    self.running: dict = {}                 # rid -> SeqState holding pages (PREFILL / DECODE)
+    self.slots: list = [None] * c.max_batch
+    self.requests: dict[str, list[SeqState]] = {}
+    self._arrival = 0
+    self._rng = np.random.default_rng()
+    self._last_decode: tuple = ()
+    self.stats = collections.Counter()
+
+  # -- requests -------------------------------------------------------------------------------
+  def encode(self, prompt) -> np.ndarray:
+    """Token ids of a prompt: ids, or (with a tokenizer) a string or a chat."""
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                   and isinstance(prompt[0], dict)):
+      if self.tokenizer is None:
+        raise InputError("a text or chat prompt needs the engine's tokenizer (tokenizer=...)")
+      from jaxsys.serving.generation import encode_prompts  # noqa: PLC0415
+      prompt = encode_prompts(self.tokenizer, prompt)[0]
+    return check_prompts([prompt], self.engine.model.config.vocab_size)[0]
+
+  def add(self, prompt, params: RequestParams | None, request_id: str) -> str:
+    params = RequestParams() if params is None else params
+    if not isinstance(params, RequestParams):
+      raise InputError(f"params must be a RequestParams, got {type(params).__name__}")
+    if request_id in self.requests:
+      raise InputError(f"request_id={request_id!r} is already live")
+    params.sampling().check_vocab(self.engine.model.config.vocab_size)
+    if params.stop and self.tokenizer is None:
+      raise InputError("stop strings need the engine's tokenizer; use stop_token_ids")
+    ids = self.encode(prompt)
+    err = self.engine._capacity_error(len(ids) + params.max_tokens)
+    if err is not None:
+      raise InputError(f"request {request_id!r}: {err}")
+    seed = int(self._rng.integers(0, 2**31 - 1)) if params.seed is None else int(params.seed)
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+      stops |= set(self.engine.stop_tokens)
+    seqs = []
+    for i in range(params.n):
+      self._arrival += 1
+      s = SeqState(request_id, i, ids, params, seed, self._arrival, frozenset(stops))
+      if self.tokenizer is not None:
+        s.text = TextStream(self.tokenizer, params.stop)
+      seqs.append(s)
+      self.waiting.append(s)
+    self.requests[request_id] = seqs
+    log.info("request %s: added, %d prompt tokens, n=%d, max_tokens=%d", request_id, len(ids),
+             params.n, params.max_tokens)
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Stops every choice of a request and frees its pages; False if it is not live."""
+    seqs = self.requests.pop(request_id, None)
+    if seqs is None:
+      return False
+    for s in seqs:
+      if s.status in (PREFILL, DECODE):
+        self._free(s)
+      elif s.status == WAITING:
+        self.waiting.remove(s)
+      s.status, s.finish_reason = FINISHED, s.finish_reason or "abort"
+    log.info("request %s: aborted", request_id)
+    return True
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def reset(self) -> None:
+    """After a failure inside a step: every request is dropped and every page freed."""
+    self.engine._abort()
+    self.waiting.clear()
+    self.running.clear()
+    self.requests.clear()
+    self.slots = [None] * len(self.slots)
+    self._last_decode = ()
+
+  # -- pages ----------------------------------------------------------------------------------
+  def _free(self, s: SeqState) -> None:
+    self.engine.cache.release(s.rid)
+    del self.running[s.rid]
+    self.slots[s.slot] = None
+    s.slot = None
+
+  def _preempt(self, s: SeqState) -> None:
+    """Recompute preemption: free the pages, requeue at the front with the tokens made so far."""
+    self._free(s)
+    s.status, s.computed, s.registered = WAITING, 0, 0
+    s.preemptions += 1
+    self.stats["preemptions"] += 1
+    self.waiting.appendleft(s)
+    log.info("request %s[%d]: preempted after %d tokens (pool out of pages)", s.request_id, s.index,
+             len(s.out))
+
+  def _newest(self):
+    return max(self.running.values(), key=lambda s: s.arrival)
+
+  def _reserve(self, s: SeqState, n: int) -> bool:
+    """Room for ``n`` more tokens of ``s``; False if the pool cannot give it now."""
+    try:
+      self.engine.cache.extend(s.rid, n)
+      return True
+    except PoolExhaustedError:
+      return False
+
+  def _admit(self, s: SeqState) -> bool:
+    cache, ps = self.engine.cache, self.engine.cache_config.page_size
+    if None not in self.slots:
+      return False
+    toks = s.tokens
+    shared = []
+    if self.prefix_caching:
+      s.keys = page_keys(toks, ps)
+      shared = cache.alloc.lookup(s.keys, limit=(len(toks) - 1) // ps)
+    try:
+      cache.admit(s.rid, len(shared) * ps, shared=shared)
+    except PoolExhaustedError:
+      return False
+    s.computed = len(shared) * ps
+    s.registered = len(shared)
+    cache.seqs[s.rid].length = s.computed
+    s.slot = self.slots.index(None)
+    self.slots[s.slot] = s.rid
+    self.running[s.rid] = s
+    s.status = PREFILL
+    self.stats["cached_tokens"] += s.computed
+    return True
+
+  # -- one iteration --------------------------------------------------------------------------
+  def step(self) -> list[StepOutput]:
+    try:
+      return self._step()
+    except BaseException:
+      self.reset()
+      raise
+
+  def _step(self) -> list[StepOutput]:
+    c = self.engine.config
+    budget = c.max_num_batched_tokens
+    decode = sorted((s for s in self.running.values() if s.status == DECODE), key=lambda s: s.arrival)
+    for s in decode:  # one more token each; the newest running sequence yields when out of pages
+      while s.status == DECODE and not self._reserve(s, 1):
+        self._preempt(self._newest())
+    decode = [s for s in decode if s.status == DECODE]
+    budget -= len(decode)
+    chunks = []
+    for s in sorted((s for s in self.running.values() if s.status == PREFILL), key=lambda s: s.arrival):
+      n = self._chunk_len(s, budget)
+      if n <= 0 or not self._reserve(s, n):
+        break
+      chunks.append((s, n))
+      budget -= n
+    while budget > 0 and self.waiting and not (chunks and not self.chunked):
+      s = self.waiting[0]
+      if not self._admit(s):
+        break
+      self.waiting.popleft()
+      n = self._chunk_len(s, budget)
+      if n <= 0 or not self._reserve(s, n):
+        self._free(s)  # wait in the queue until pages free up
+        s.status, s.computed = WAITING, 0
+        self.waiting.appendleft(s)
+        break
+      chunks.append((s, n))
+      budget -= n
+    if not decode and not chunks:
+      if self.running:  # every running sequence waits for pages: the newest makes room
+        self._preempt(self._newest())
+        return self._step()
+      return []
+    self.stats["steps"] += 1
+    rows, logits = [], []
+    if decode:
+      lg = self._decode(decode)
+      rows += decode
+      logits.append(lg)
+    for s, n in chunks:
+      hidden = self._prefill(s, n)
+      self.stats["prefill_tokens"] += n
+      if hidden is not None:
+        rows.append(s)
+        logits.append(_logits(self.engine._graphdef, self.engine._params, hidden))
+    outs = self._sample(rows, jnp.concatenate(logits, axis=0)) if rows else []
+    return outs
+
+  def _chunk_len(self, s: SeqState, budget: int) -> int:
+    left = len(s.tokens) - s.computed
+    if not self.chunked:  # whole prompt in one call (streaming heads)
+      return left if budget > 0 else 0
+    return min(left, budget, self.engine.config.prefill_chunk)
+
+  def _prefill(self, s: SeqState, n: int):
+    """Runs ``n`` more tokens of ``s``; the last token's hidden state when its prompt is done."""
+    e = self.engine
+    toks = s.tokens
+    if not self.chunked:
+      hidden = e._prefill(s.rid, _Prompt(toks))
+      s.computed = len(toks)
+    else:
+      t = bucket(n, e.config.min_prompt_bucket)
+      buf = np.zeros((1, t), np.int32)
+      buf[0, :n] = toks[s.computed:s.computed + n]
+      seq = e.cache.seqs[s.rid]
+      bt, stt, _ = e.cache.block_tables([s.rid], bucket(len(seq.pages), 1))
+      e.cache.state, hidden = prefill_chunk(
+          e._graphdef, e._params, e.cache_config, e.cache.state, jnp.asarray(buf),
+          jnp.int32(s.computed), jnp.int32(n), jnp.asarray(bt), jnp.asarray(stt), e.config.lserve.impl)
+      s.computed += n
+      seq.length = s.computed
+      if self.prefix_caching:  # the full pages now computed can serve later requests
+        ps = e.cache_config.page_size
+        for i in range(s.registered, min(s.computed // ps, len(s.keys))):
+          e.cache.alloc.register(seq.pages[i], s.keys[i])
+        s.registered = max(s.registered, min(s.computed // ps, len(s.keys)))
+    if s.computed < len(toks):
+      return None
+    s.status = DECODE
+    return hidden
+
+  def _decode(self, decode) -> jax.Array:
+    """One decode step over the slots; logits ``[len(decode), vocab]`` in ``decode`` order."""
+    e = self.engine
+    rids = [None] * len(self.slots)
+    tokens = np.zeros(len(self.slots), np.int32)
+    for s in decode:
+      rids[s.slot] = s.rid
+      tokens[s.slot] = s.out[-1]
+    key = tuple(rids)
+    reselect = key != self._last_decode
+    self._last_decode = key
+    logits, _ = e._decode(rids, tokens, reselect)
+    for s in decode:
+      s.computed += 1
+    self.stats["decode_tokens"] += len(decode)
+    return logits[jnp.asarray([s.slot for s in decode])]
+
+  def _sample(self, rows, logits) -> list[StepOutput]:
+    b = len(self.slots)
+    r = len(rows)
+    pad = lambda xs, dt, fill=0: np.asarray(list(xs) + [fill] * (b - r), dt)  # noqa: E731
+    lg = jnp.zeros((b, logits.shape[1]), logits.dtype).at[:r].set(logits)
+    p = [s.params for s in rows]
+    toks, chosen, top_ids, top_lp = _sample_rows(
+        lg, pad([s.seed for s in rows], np.uint32), pad([s.index for s in rows], np.int32),
+        pad([len(s.out) for s in rows], np.int32), pad([q.temperature for q in p], np.float32),
+        pad([q.top_k for q in p], np.int32), pad([q.top_p for q in p], np.float32, 1.0),
+        pad([q.min_p for q in p], np.float32))
+    toks, chosen, top_ids, top_lp = jax.device_get((toks, chosen, top_ids, top_lp))
+    keep_logits = self.engine._keep_logits
+    outs = []
+    for i, s in enumerate(rows):
+      tok = int(toks[i])
+      s.out.append(tok)
+      if keep_logits:
+        s.logits.append(np.asarray(logits[i]))
+      lps = None
+      if s.params.logprobs:
+        k = s.params.top_logprobs
+        lps = [TokenLogprob(tok, float(chosen[i]),
+                            [(int(a), float(v)) for a, v in zip(top_ids[i, :k], top_lp[i, :k])])]
+        s.logprobs += lps
+      text, hit = ("", False) if s.text is None else s.text.add(s.out)
+      reason = None
+      if tok in s.stop_ids or hit:
+        reason = "stop"
+      elif len(s.out) >= s.params.max_tokens:
+        reason = "length"
+      if reason is not None:
+        if s.text is not None:
+          text += s.text.flush()
+        self._finish(s, reason)
+      outs.append(StepOutput(s.request_id, s.index, [tok], None if s.text is None else text, lps,
+                             reason is not None, reason, len(s.prompt), len(s.out)))
+    return outs
+
+  def _finish(self, s: SeqState, reason: str) -> None:
+    self._free(s)
+    s.status, s.finish_reason = FINISHED, reason
+    seqs = self.requests.get(s.request_id, [])
+    if all(x.status == FINISHED for x in seqs):
+      self.requests.pop(s.request_id, None)
+      log.info("request %s: finished (%s), %s tokens", s.request_id, reason,
+               [len(x.out) for x in seqs])
+
+
+class _Prompt:
+  """The ``prompt`` attribute ``ServingEngine._prefill`` reads."""
+
+  def __init__(self, prompt):
+    self.prompt = prompt
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _logits(graphdef, params, hidden):
+  """Logits ``[1, vocab]`` of a final hidden state ``[1, embed]``."""
+  return nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]
+
+
+@jax.jit
+def _sample_rows(logits, seeds, choice, index, temperature, top_k, top_p, min_p):
+  """Each row's next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``,
+  and the model's log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``)."""
+  keys = jax.vmap(lambda s, c, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), c), i))(
+      seeds, choice, index)
+  toks = sample_rows(keys, logits, temperature, top_k, jnp.minimum(top_p, 1.0), min_p)
+  return (toks,) + token_logprobs(logits, toks, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
