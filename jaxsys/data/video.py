@@ -83,6 +83,26 @@ def make_frames(spec: VideoSpec, rng: np.random.Generator, n_frames: int, depth:
   return frames, needle
 
 
+def haystack_frames(spec: VideoSpec, rng: np.random.Generator, n_frames: int) -> np.ndarray:
+  """``float32[n, patches, patch_dim]`` haystack frames (noise + two distractor glyphs), no needle."""
+  _, glyphs = spec.world()
+  frames = spec.noise * rng.standard_normal((n_frames, spec.patches, spec.patch_dim)).astype(np.float32)
+  distract = rng.integers(0, spec.num_classes, size=(n_frames, 2))
+  frames[:, 0] += glyphs[distract[:, 0]]
+  frames[:, spec.patches // spec.tokens_per_frame] += glyphs[distract[:, 1]]
+  return frames
+
+
+def mark_frame(spec: VideoSpec, rng: np.random.Generator, frame: np.ndarray, code) -> None:
+  """Turns ``frame [patches, patch_dim]`` into a needle in place: the marker on every patch and
+  the glyphs of ``code (c_0, c_1)`` in the first patch of each of its two frame tokens."""
+  marker, glyphs = spec.world()
+  g1 = spec.patches // spec.tokens_per_frame
+  frame[0] = glyphs[code[0]] + spec.noise * rng.standard_normal(spec.patch_dim)
+  frame[g1] = glyphs[code[1]] + spec.noise * rng.standard_normal(spec.patch_dim)
+  frame += marker
+
+
 def layout_row(n_frames: int, spec: VideoSpec, seq_len: int, code=(0, 0)) -> dict:
   """Token ids, frame slots, loss mask, positions and segment ids of one padded row."""
   need = seq_len_for(n_frames, spec)

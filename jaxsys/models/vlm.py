@@ -136,7 +136,13 @@ class VLM(nnx.Module):
     return self.projector(self.encoder(frames))  # [b, F*tpf, lm_hidden]
 
   def embed_inputs(self, inputs, frames, *, frame_slot=None, send_idx=None, recv_pos=None):
-    ft = self.frame_tokens(frames)
+    return self.embed_with_frame_tokens(inputs, self.frame_tokens(frames), frame_slot=frame_slot,
+                                        send_idx=send_idx, recv_pos=recv_pos)
+
+  def embed_with_frame_tokens(self, inputs, ft, *, frame_slot=None, send_idx=None, recv_pos=None):
+    """Interleaved LM input ``[b, L, lm_hidden]`` from token ids and frame tokens ``ft
+    [b, T, lm_hidden]`` already encoded (e.g. cached once per prompt for RL passes): the text
+    embeddings with FRAME slots replaced (single device), or stage 2 of the MM-SP sharding."""
     te = self.lm.embed(inputs)  # [b, L, lm_hidden]
     if self.plan is None:
       if frame_slot is None:
