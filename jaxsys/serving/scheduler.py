@@ -264,7 +264,7 @@ class Scheduler:
       buf = np.zeros((1, t), np.int32)
       buf[0, :n] = toks[s.computed:s.computed + n]
       seq = e.cache.seqs[s.rid]
-      bt, stt, _ = e.cache.block_tables([s.rid], bucket(len(seq.pages), 1))
+      bt, stt, _ = e.cache.block_tables([s.rid], e.max_pages)  # one executable per chunk bucket
       e.cache.state, hidden = prefill_chunk(
           e._graphdef, e._params, e.cache_config, e.cache.state, jnp.asarray(buf),
           jnp.int32(s.computed), jnp.int32(n), jnp.asarray(bt), jnp.asarray(stt), e.config.lserve.impl)
