@@ -213,13 +213,15 @@ class VideoGRPOTrainer:
   def _loss_grad_fn(self, params, rest, src, prompt, rows, batch, adv, old, ref):
     def loss(p):
       logp = self._logp_fn(p, rest, src, prompt, rows, batch)
-      return grpo.policy_objective(logp, old, ref, batch["mask"], adv,
-                                   **self.config.grpo.objective_kwargs())
+      loss, aux = grpo.policy_objective(logp, old, ref, batch["mask"], adv,
+                                        **self.config.grpo.objective_kwargs())
+      return loss, dict(aux, logp=logp)
     return jax.value_and_grad(loss, has_aux=True)(params)
 
   def _update_fn(self, params, rest, opt_state, src, prompt, rows, batch, adv, old, ref):
     (loss, aux), grads = self._loss_grad_fn(params, rest, src, prompt, rows, batch, adv, old, ref)
     updates, opt_state = self.tx.update(grads, opt_state, params)
+    aux = {k: v for k, v in aux.items() if k != "logp"}
     return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
 
   # ---- host side ---------------------------------------------------------------------------
@@ -285,7 +287,8 @@ class VideoGRPOTrainer:
                         lay.prompt, jnp.asarray(rows, jnp.int32), batch)
 
   def loss_and_grads(self, examples, responses, adv, old, ref):
-    """``((loss, aux), grads)`` of the objective for one micro-batch (rows = examples)."""
+    """``((loss, aux), grads)`` of the objective for one micro-batch (rows = examples);
+    ``aux["logp"]`` holds the response log-probs of the pass."""
     lay = self.layout(examples[0].frames.shape[0])
     frames = np.stack([ex.frames for ex in examples])
     ft = None if self.config.mode == "recompute" else self.encode(frames)

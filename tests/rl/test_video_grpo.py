@@ -1,0 +1,106 @@
+"""Video GRPO (MR-SP): cached == recomputed log-probs, cached_sp == single device (log-probs and
+gradients, 8 simulated devices), one encoder run per video per step, a shared rollout prefill,
+and clear errors for frame counts the sharding cannot split and over-long responses."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.mesh import make_mesh
+from jaxsys.data import video
+from jaxsys.models import DecoderConfig
+from jaxsys.models.vlm import VLM, VLMConfig
+from jaxsys.rl import video_grpo as vg
+from jaxsys.rl import video_tasks as vt
+
+CFG = VLMConfig(lm=DecoderConfig(vocab_size=vt.VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                                 num_heads=8, num_kv_heads=8))
+SPEC = video.VideoSpec()
+RESP = [[1, 2, video.EOS], [3, video.EOS]]
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model = VLM(CFG, rngs=nnx.Rngs(0))
+  examples = vt.VideoTaskSampler(SPEC, n_frames=8, seed=3).sample(2)
+  return model, examples
+
+
+def _trainer(model, mode, **kw):
+  mesh = make_mesh({"ulysses": 8}) if mode == "cached_sp" else None
+  return vg.VideoGRPOTrainer(model, vt.VideoTaskSampler(SPEC, n_frames=8, seed=0),
+                             vg.VideoGRPOConfig(mode=mode, **kw), mesh=mesh)
+
+
+def test_cached_logprobs_equal_recomputed(setup):
+  model, ex = setup
+  cached = np.asarray(_trainer(model, "cached").logprobs(ex, RESP))
+  recomputed = np.asarray(_trainer(model, "recompute").logprobs(ex, RESP))
+  np.testing.assert_allclose(cached, recomputed, atol=1e-6)
+  assert cached.shape == (2, 3) and np.all(cached[0] < 0)
+
+
+def test_cached_sp_logprobs_and_grads_equal_single_device(setup):
+  model, ex = setup
+  one, sp = _trainer(model, "cached"), _trainer(model, "cached_sp")
+  r1, r8 = one.layout().response, sp.layout().response
+  assert sp.layout().length % 8 == 0 and r8 > r1
+  adv = np.array([1.0, -0.5], np.float32)
+  old = np.full((2, r8), -2.9, np.float32)   # ratios around 1 +- 0.2: some tokens clip
+  (l1, a1), g1 = one.loss_and_grads(ex, RESP, adv, old[:, :r1], old[:, :r1] + 0.1)
+  (l8, a8), g8 = sp.loss_and_grads(ex, RESP, adv, old, old + 0.1)
+  np.testing.assert_allclose(np.asarray(a8["logp"])[:, :r1], np.asarray(a1["logp"]), atol=1e-5)
+  np.testing.assert_allclose(float(l8), float(l1), rtol=1e-5)
+  assert 0 < float(a1["clip_frac"]) < 1
+  errs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), g8, g1))
+  assert max(errs) < 1e-5
+  assert "encoder" not in g1 and "lm" in g1  # the vision tower is frozen: only LM parameters train
+  assert float(sum(np.abs(np.asarray(x)).sum() for x in jax.tree.leaves(g1))) > 0
+
+
+def test_encoder_once_per_video_and_shared_prefill(setup):
+  model, _ = setup
+  t = _trainer(model, "cached", rollout_frames=4)
+  m = t.step()
+  n, g = t.config.grpo.prompts_per_step, t.config.grpo.group_size
+  assert m["encoded_videos"] == n           # rollout, old, ref and update passes share one encoding
+  assert t.prefill_rows == [n]              # one prefill per prompt, shared by its G rollouts
+  assert len(m["responses"]) == n * g and all(len(r) <= t.config.max_new for r in m["responses"])
+  assert np.isfinite(m["loss"]) and 0.0 <= m["reward_mean"] <= 1.0
+  # the baseline re-encodes every row in the old, reference and update passes
+  b = _trainer(model, "recompute")
+  b.logprobs(vt.VideoTaskSampler(SPEC, n_frames=8).sample(2), RESP * 2, rows=[0, 0, 1, 1])
+  assert b.encoded_videos == 4
+
+
+def test_bad_input(setup):
+  model, ex = setup
+  sp = _trainer(model, "cached_sp")
+  with pytest.raises(ShapeError, match="divisible by the sequence-parallel degree 8"):
+    sp.layout(5)                              # 10 frame tokens cannot split over 8 ranks
+  lay = vg.RowLayout(8, 2, max_new=3)
+  with pytest.raises(InputError, match="response budget max_new=3"):
+    vg.build_rows(lay, ex, [[1, 2, 3, video.EOS], [1]])
+  with pytest.raises(ConfigError, match="mesh="):
+    vg.VideoGRPOTrainer(model, vt.VideoTaskSampler(SPEC), vg.VideoGRPOConfig(mode="cached_sp"))
+  with pytest.raises(ConfigError, match="mode"):
+    vg.VideoGRPOConfig(mode="fast")
+
+
+def test_tasks_and_rewards():
+  s = vt.VideoTaskSampler(SPEC, n_frames=12, seed=0)
+  exs = s.sample(12)
+  assert {e.kind for e in exs} == set(vt.KINDS)
+  for e in exs:
+    assert e.frames.shape == (12, SPEC.patches, SPEC.patch_dim)
+    assert vt.reward(e, list(e.target)) == pytest.approx(1.0)
+    assert vt.reward(e, [9, 9, 9]) == 0.0 or e.answer == (9, 9)
+  e = exs[0]
+  assert vt.reward(e, list(e.answer)) == pytest.approx(0.9)   # right answer, no EOS: no format term
+  wrong = [(e.answer[0] + 1) % 10] + list(e.answer[1:]) + [video.EOS]
+  assert vt.reward(e, wrong) == pytest.approx(0.1)             # well formed, wrong answer
+  c = [x for x in exs if x.kind == "count"][0]
+  marked = np.sum(np.abs(c.frames - vt.video.haystack_frames(SPEC, np.random.default_rng(1), 12)).sum((1, 2)) > 0)
+  assert 1 <= c.answer[0] <= 9 and marked >= 1
