@@ -1,0 +1,416 @@
+"""An OpenAI-compatible HTTP server over the step-level ``ServingEngine`` (FastAPI + uvicorn).
+
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed over SSE with
+``"stream": true``, else one JSON body), ``GET /v1/models``, ``GET /health``. Chats are rendered
+with the tokenizer's chat template. Request fields: ``max_tokens`` / ``max_completion_tokens``,
+``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` / ``top_logprobs`` (chat) or
+``logprobs: int`` (completions), ``stream_options.include_usage``, and vLLM's extras ``top_k``,
+``min_p``, ``ignore_eos``, ``stop_token_ids`` (``extra_body=`` in the ``openai`` client).
+
+Threads: the engine runs in one background thread (:class:`EngineLoop`), which alone calls
+``add_request`` / ``step`` / ``abort``; HTTP handlers hand requests over through a locked command
+queue and receive each step's outputs on an ``asyncio.Queue`` (``call_soon_threadsafe``). A client
+that disconnects mid-stream aborts its request, which frees its pages at the next step.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
+parameter or a prompt + ``max_tokens`` beyond the context, 404 for an unknown model, 503 when
+``max_pending`` requests are already queued or running.
+
+Usage::
+
+  jaxsys serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
+
+  server = start_server(engine, "smollm2-135m-instruct", port=0)   # in a thread; server.url
+  client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+  client.chat.completions.create(model="smollm2-135m-instruct", messages=[...]).choices[0].message.content
+  server.stop()
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the handlers' annotations (``Request``) at runtime.
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+
+from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.serving.requests import RequestParams
+
+log = logging.getLogger("jaxsys.serving.server")
+
+_ACCEPTED, _DONE = "accepted", "done"
+
+
+class APIError(Exception):
+  """An error answered with OpenAI's error JSON."""
+
+  def __init__(self, status: int, message: str, param: str | None = None,
+               type: str = "invalid_request_error", code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+
+def _bad(e: Exception) -> APIError:
+  m = re.match(r"\s*(?:request \S+: )?(\w+)=", str(e))
+  return APIError(400, str(e), m.group(1) if m else None)
+
+
+class EngineLoop:
+  """Runs ``engine.step()`` in a daemon thread while requests are live; see the module docstring."""
+
+  def __init__(self, engine, max_pending: int = 256, default_max_tokens: int = 256):
+    if max_pending < 1:
+      raise ConfigError(f"max_pending={max_pending} must be >= 1")
+    self.engine, self.max_pending, self.default_max_tokens = engine, max_pending, default_max_tokens
+    self._cv = threading.Condition()
+    self._cmds: collections.deque = collections.deque()
+    self._subs: dict[str, tuple] = {}       # request id -> (event loop, asyncio.Queue)
+    self._accepted: set[str] = set()
+    self._stop = False
+    self.thread = threading.Thread(target=self._run, name="jaxsys-engine", daemon=True)
+    self.thread.start()
+
+  @property
+  def num_pending(self) -> int:
+    with self._cv:
+      return len(self._subs)
+
+  def submit(self, prompt, params: RequestParams, request_id: str, auto_max_tokens: bool) -> asyncio.Queue:
+    """Queues a request (call from the event loop); its outputs arrive on the returned queue:
+    first ``"accepted"`` or an exception, then ``StepOutput``s, then ``"done"``."""
+    q: asyncio.Queue = asyncio.Queue()
+    with self._cv:
+      if len(self._subs) >= self.max_pending:
+        raise APIError(503, f"the server is at capacity ({self.max_pending} requests queued or "
+                       "running); retry later", type="server_error", code="overloaded")
+      self._subs[request_id] = (asyncio.get_running_loop(), q)
+      self._cmds.append(("add", prompt, params, request_id, auto_max_tokens))
+      self._cv.notify()
+    return q
+
+  def abort(self, request_id: str) -> None:
+    with self._cv:
+      self._cmds.append(("abort", request_id))
+      self._cv.notify()
+
+  def close(self) -> None:
+    with self._cv:
+      self._stop = True
+      self._cv.notify()
+    self.thread.join(timeout=30)
+
+  def _post(self, rid, item) -> None:
+    sub = self._subs.get(rid)
+    if sub is not None:
+      sub[0].call_soon_threadsafe(sub[1].put_nowait, item)
+
+  def _end(self, rid, item=_DONE) -> None:
+    self._post(rid, item)
+    with self._cv:
+      self._subs.pop(rid, None)
+    self._accepted.discard(rid)
+
+  def _add(self, prompt, params, rid, auto_max_tokens) -> None:
+    e = self.engine
+    try:
+      ids = e.scheduler.encode(prompt)
+      if auto_max_tokens:  # OpenAI's default: as many as the context leaves (bounded)
+        room = e.max_seq_len - len(ids)
+        params = dataclasses.replace(params, max_tokens=max(1, min(self.default_max_tokens, room)))
+      e.add_request(ids, params, rid)
+    except (InputError, ConfigError) as err:
+      log.info("request %s: rejected: %s", rid, err)
+      self._end(rid, _bad(err))
+      return
+    self._accepted.add(rid)
+    self._post(rid, _ACCEPTED)
+
+  def _run(self) -> None:
+    e = self.engine
+    while True:
+      with self._cv:
+        while not self._cmds and not e.has_unfinished() and not self._stop:
+          self._cv.wait()
+        if self._stop:
+          return
+        cmds = list(self._cmds)
+        self._cmds.clear()
+      for cmd in cmds:
+        if cmd[0] == "add":
+          self._add(*cmd[1:])
+        elif e.abort(cmd[1]) or cmd[1] in self._subs:
+          self._end(cmd[1])
+      if not e.has_unfinished():
+        continue
+      try:
+        outs = e.step()
+      except Exception as err:  # noqa: BLE001  (the engine reset itself; every request fails)
+        log.exception("engine step failed; failing %d requests", len(self._accepted))
+        for rid in list(self._accepted):
+          self._end(rid, APIError(500, f"engine failure: {err}", type="server_error"))
+        continue
+      for o in outs:
+        self._post(o.request_id, o)
+      for rid in [r for r in self._accepted if r not in e.scheduler.requests]:
+        self._end(rid)
+
+
+def _content(messages) -> list[dict]:
+  """Validated chat messages with string contents (text parts joined)."""
+  if not isinstance(messages, list) or not messages:
+    raise APIError(400, "messages must be a non-empty list", "messages")
+  out = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or "role" not in m:
+      raise APIError(400, f"messages[{i}] must be an object with a 'role'", "messages")
+    c = m.get("content") or ""
+    if isinstance(c, list):
+      c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+    if not isinstance(c, str):
+      raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+    out.append({"role": str(m["role"]), "content": c})
+  return out
+
+
+def _params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
+  """``(RequestParams, max_tokens was omitted)`` from an OpenAI request body."""
+  for name in ("presence_penalty", "frequency_penalty"):
+    if body.get(name):
+      raise APIError(400, f"{name} is not supported (only 0)", name)
+  if body.get("echo"):
+    raise APIError(400, "echo is not supported", "echo")
+  mt = body.get("max_completion_tokens", body.get("max_tokens"))
+  stop = body.get("stop") or ()
+  if isinstance(stop, str):
+    stop = (stop,)
+  if chat:
+    logprobs, top = bool(body.get("logprobs") or False), body.get("top_logprobs") or 0
+    if top and not logprobs:
+      raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+  else:
+    lp = body.get("logprobs")
+    logprobs, top = lp is not None, lp or 0
+  kw = dict(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
+            top_k=body.get("top_k", 0) or 0, min_p=body.get("min_p", 0.0) or 0.0, seed=body.get("seed"),
+            n=body.get("n", 1), stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop,
+            stop_token_ids=tuple(body.get("stop_token_ids") or ()), ignore_eos=bool(body.get("ignore_eos")),
+            logprobs=logprobs, top_logprobs=top)
+  kw = {k: v for k, v in kw.items() if v is not None or k == "seed"}
+  try:
+    return RequestParams(max_tokens=16 if mt is None else mt, **kw), mt is None
+  except (ConfigError, InputError, TypeError) as e:
+    raise _bad(e) from e
+
+
+def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
+  """The FastAPI application serving ``loop.engine`` as ``model_name``."""
+  from fastapi import FastAPI, Request  # noqa: PLC0415  (server extra)
+  from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
+
+  app = FastAPI(title="jaxsys", version="1")
+  created = int(time.time())
+
+  @app.exception_handler(APIError)
+  async def _api_error(_request, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "pending": loop.num_pending}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "jaxsys"}]}
+
+  async def _body(request) -> dict:
+    try:
+      body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise APIError(400, f"the request body is not valid JSON ({e})") from e
+    if not isinstance(body, dict):
+      raise APIError(400, "the request body must be a JSON object")
+    if body.get("model") != model_name:
+      raise APIError(404, f"The model `{body.get('model')}` does not exist; this server serves "
+                     f"`{model_name}`", "model", code="model_not_found")
+    return body
+
+  def _token(t: int) -> str:
+    return tokenizer.decode([t]) if tokenizer is not None else str(t)
+
+  def _chat_logprobs(lps):
+    if lps is None:
+      return None
+    return {"content": [{"token": _token(x.token_id), "logprob": x.logprob,
+                         "bytes": list(_token(x.token_id).encode()),
+                         "top_logprobs": [{"token": _token(a), "logprob": v, "bytes": list(_token(a).encode())}
+                                          for a, v in x.top]} for x in lps]}
+
+  def _text_logprobs(lps):
+    if lps is None:
+      return None
+    return {"tokens": [_token(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_token(a): v for a, v in x.top} for x in lps]}
+
+  async def _serve(request, body, prompt, chat: bool):
+    params, auto = _params(body, chat)
+    kind = "chatcmpl" if chat else "cmpl"
+    rid = f"{kind}-{uuid.uuid4().hex[:24]}"
+    t0 = time.perf_counter()
+    q = loop.submit(prompt, params, rid, auto)
+    first = await q.get()
+    if isinstance(first, Exception):
+      raise first
+    obj = "chat.completion" if chat else "text_completion"
+    base = {"id": rid, "created": int(time.time()), "model": model_name}
+    log.info("request %s: accepted (%s, n=%d, stream=%s)", rid, obj, params.n, bool(body.get("stream")))
+    if body.get("stream"):
+      usage = bool((body.get("stream_options") or {}).get("include_usage"))
+      return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
+                               media_type="text/event-stream")
+    texts = [[] for _ in range(params.n)]
+    lps = [[] for _ in range(params.n)]
+    reasons = [None] * params.n
+    prompt_tokens, completion = 0, [0] * params.n
+    try:
+      while (item := await q.get()) != _DONE:
+        if isinstance(item, Exception):
+          raise item
+        texts[item.index].append(item.new_text or "")
+        lps[item.index] += item.logprobs or []
+        reasons[item.index] = item.finish_reason or reasons[item.index]
+        prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
+    except BaseException:
+      loop.abort(rid)
+      raise
+    choices = []
+    for i in range(params.n):
+      text, lp = "".join(texts[i]), lps[i] if params.logprobs else None
+      if chat:
+        choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": _chat_logprobs(lp), "finish_reason": reasons[i]})
+      else:
+        choices.append({"index": i, "text": text, "logprobs": _text_logprobs(lp),
+                        "finish_reason": reasons[i]})
+    log.info("request %s: done in %.3fs, %d completion tokens", rid, time.perf_counter() - t0,
+             sum(completion))
+    return {**base, "object": obj, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
+                      "total_tokens": prompt_tokens + sum(completion)}}
+
+  async def _stream(q, rid, base, obj, params, chat, usage, t0):
+    obj += ".chunk" if chat else ""
+    done = False
+    sse = lambda d: f"data: {json.dumps(d)}\n\n"  # noqa: E731
+    prompt_tokens, completion = 0, [0] * params.n
+    try:
+      if chat:
+        for i in range(params.n):
+          yield sse({**base, "object": obj, "choices": [
+              {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+               "finish_reason": None}]})
+      while (item := await q.get()) != _DONE:
+        if isinstance(item, Exception):
+          yield sse(item.body() if isinstance(item, APIError) else {"error": {"message": str(item)}})
+          break
+        prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
+        lp = item.logprobs if params.logprobs else None
+        if chat:
+          choice = {"index": item.index, "delta": {"content": item.new_text or ""},
+                    "logprobs": _chat_logprobs(lp), "finish_reason": item.finish_reason}
+        else:
+          choice = {"index": item.index, "text": item.new_text or "", "logprobs": _text_logprobs(lp),
+                    "finish_reason": item.finish_reason}
+        yield sse({**base, "object": obj, "choices": [choice]})
+      if usage:
+        yield sse({**base, "object": obj, "choices": [],
+                   "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
+                             "total_tokens": prompt_tokens + sum(completion)}})
+      yield "data: [DONE]\n\n"
+      done = True
+      log.info("request %s: streamed in %.3fs, %d completion tokens", rid, time.perf_counter() - t0,
+               sum(completion))
+    finally:
+      if not done:  # the client went away: free its pages
+        log.info("request %s: client disconnected, aborting", rid)
+        loop.abort(rid)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    body = await _body(request)
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+      raise APIError(400, "this model has no tokenizer chat template; use /v1/completions", "messages")
+    return await _serve(request, body, _content(body.get("messages")), chat=True)
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    body = await _body(request)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+      prompt = prompt[0]
+    if isinstance(prompt, str):
+      if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+    elif not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+      raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                     "prompt")
+    return await _serve(request, body, prompt, chat=False)
+
+  return app
+
+
+@dataclasses.dataclass
+class ServerHandle:
+  """A server running in a background thread (``start_server``)."""
+  url: str
+  loop: EngineLoop
+  server: object
+  thread: threading.Thread
+
+  def stop(self) -> None:
+    self.server.should_exit = True
+    self.thread.join(timeout=30)
+    self.loop.close()
+
+
+def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 0,
+                 max_pending: int = 256, default_max_tokens: int = 256, log_level: str = "warning"):
+  """Starts uvicorn in a thread (``port=0``: a free port) and returns a :class:`ServerHandle`."""
+  import socket  # noqa: PLC0415
+  import uvicorn  # noqa: PLC0415
+  sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, port))
+  loop = EngineLoop(engine, max_pending, default_max_tokens)
+  app = build_app(loop, model_name, engine.tokenizer)
+  server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxsys-http",
+                            daemon=True)
+  thread.start()
+  deadline = time.time() + 60
+  while not server.started and thread.is_alive() and time.time() < deadline:
+    time.sleep(0.02)
+  if not server.started:
+    loop.close()
+    raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+  return ServerHandle(f"http://{host}:{sock.getsockname()[1]}", loop, server, thread)
+
+
+def serve(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+          max_pending: int = 256, default_max_tokens: int = 256) -> None:
+  """Serves until interrupted (``jaxsys serve``)."""
+  import uvicorn  # noqa: PLC0415
+  loop = EngineLoop(engine, max_pending, default_max_tokens)
+  try:
+    uvicorn.run(build_app(loop, model_name, engine.tokenizer), host=host, port=port, log_level="info")
+  finally:
+    loop.close()
