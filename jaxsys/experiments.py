@@ -4,6 +4,8 @@ current directory is not on ``sys.path``, so a user's own ``experiments`` packag
 the installed scripts).
 """
 
+__all__ = ["REGISTRY"]
+
 # name -> (module, system, one-line description). Order is the order of the table.
 REGISTRY: dict[str, tuple[str, str, str]] = {
     "attention": ("experiments.attention", "foundation", "blockwise / block-sparse attention vs naive and peers"),
@@ -12,6 +14,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "tiny_lm": ("experiments.tiny_lm", "decoder LM", "tiny trained model: recall vs context length, RoPE scaling"),
     "mmsp": ("experiments.mmsp", "LongVILA MM-SP", "sequence-parallel attention: comm bytes, memory, step time, balance"),
     "vniah": ("experiments.vniah", "LongVILA MM-SP", "video needle-in-a-haystack before/after long-context extension"),
+    "mrsp": ("experiments.mrsp", "LongVILA-R1 MR-SP", "video GRPO: cached embeddings + SP passes, step time, memory, reward"),
     "lserve": ("experiments.lserve", "LServe", "sparse decode/prefill attention and engine vs dense"),
     "tlt": ("experiments.tlt", "TLT", "speculative decoding acceptance and GRPO rollout speedup"),
     "torchgt": ("experiments.torchgt", "TorchGT", "graph transformer accuracy and attention scaling"),
