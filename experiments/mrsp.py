@@ -1,0 +1,235 @@
+"""LongVILA-R1 MR-SP: video GRPO with cached vision embeddings and sequence-parallel passes.
+
+``python -m experiments.mrsp [--quick]`` (8 simulated CPU devices by default), or
+``jaxsys reproduce --only mrsp``.
+
+1. Time per RL step (rollout with a shared prefill, old and reference log-probs, update) vs
+   frame count for ``recompute`` (re-encode the frames in every pass), ``cached`` (stage 1) and
+   ``cached_sp`` (stage 1 + Ulysses SP over 8 devices), timed interleaved in one process; and
+   the frame encoder's share of the baseline step. Goal: ``cached`` >= 1.8x ``recompute`` at the
+   two largest frame counts.
+2. Compiled peak memory per device of one update micro-batch (forward + backward; the
+   compiler's plan, nothing allocated) vs frame count for the three modes, and the largest
+   frame count that fits a fixed per-device budget. Goal: ``cached_sp`` on 8 devices fits
+   >= 4x the frames of ``cached`` on 1.
+3. RL: a VLM warmed up by a short supervised phase, then a few dozen GRPO steps in
+   ``cached_sp`` mode on the verifiable video QA tasks (needle, count, order); reward and
+   greedy accuracy (overall, and V-NIAH-style needle accuracy over depths) before and after,
+   with the reward curve plotted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxsys.core.bench import time_fn, time_interleaved
+from jaxsys.core.mesh import make_mesh
+from jaxsys.core.results import Row, run_dir, write_result
+from jaxsys.data import video
+from jaxsys.eval.vniah import Grid, plot_heatmap
+from jaxsys.models import DecoderConfig
+from jaxsys.models.vlm import VLM, VLMConfig
+from jaxsys.rl import video_grpo as vg
+from jaxsys.rl import video_tasks as vt
+
+NAME = "mrsp"
+DEVICES = 8
+MODES = ("recompute", "cached", "cached_sp")
+BUDGET_MIB = 64  # fixed per-device memory budget of part 2
+
+
+def _setup():
+  # The encoder works on 16 patches per frame (8x the LM's 2 tokens per frame), so encoding a
+  # video costs more than the LM's pass over its tokens, as a ViT does for a VLM.
+  spec = video.VideoSpec(patches=16, patch_dim=16)
+  cfg = VLMConfig(patches=16, patch_dim=16, tokens_per_frame=2, vision_hidden=64, vision_layers=2,
+                  vision_heads=4,
+                  lm=DecoderConfig(vocab_size=vt.VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_layers=2, num_heads=8, num_kv_heads=8, max_position_embeddings=16384))
+  return spec, cfg
+
+
+def _trainers(model, tasks, mesh, **kw):
+  return {m: vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode=m, **kw),
+                                 mesh=mesh if m == "cached_sp" else None) for m in MODES}
+
+
+def timing(quick, rows, config, out):
+  spec, cfg = _setup()
+  mesh = make_mesh({"ulysses": jax.device_count()})
+  model = VLM(cfg, rngs=nnx.Rngs(0))
+  frames = [16, 32, 64, 128] if quick else [32, 64, 128, 256, 512]
+  rounds = 2 if quick else 3
+  config.update(time_frames=frames, time_rounds=rounds)
+  res = {m: [] for m in MODES}
+  share = []
+  for f in frames:
+    tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=0)
+    tr = _trainers(model, tasks, mesh)
+    ex = tasks.sample(tr["cached"].config.grpo.prompts_per_step)
+    t = time_interleaved({m: (lambda m=m: tr[m].step(ex)) for m in MODES}, rounds=rounds)
+    for m in MODES:
+      res[m].append(t[m].min)
+    # encoder share of the baseline step: its per-video encode time x the videos it encodes
+    base = tr["recompute"]
+    before = base.encoded_videos
+    base.step(ex)
+    per_step = base.encoded_videos - before
+    vids = np.stack([e.frames for e in ex])
+    enc = time_fn(lambda: base.encode(vids), iters=rounds).min / len(ex)
+    share.append(min(1.0, enc * per_step / t["recompute"].min))
+    print(f"[mrsp] {f} frames: " + ", ".join(f"{m} {t[m].min:.3f}s" for m in MODES)
+          + f", encoder share of recompute {share[-1]:.2f}", flush=True)
+  for i, f in enumerate(frames):
+    big = i >= len(frames) - 2
+    rows.append(Row(metric=f"RL step time @{f} frames: cached", unit="s", baseline_name="recompute",
+                    baseline=res["recompute"][i], ours=res["cached"][i], goal=">= 1.8" if big else None,
+                    note=f"encoder share of the recompute step {share[i]:.2f}"))
+    rows.append(Row(metric=f"RL step time @{f} frames: cached_sp ({jax.device_count()} devices)", unit="s",
+                    baseline_name="recompute", baseline=res["recompute"][i], ours=res["cached_sp"][i],
+                    note="8 simulated devices share the 2 CPU cores"))
+  _plot(out / "step_time.png", frames, res, "frames", "seconds per RL step", "RL step time")
+  config["step_seconds"] = {m: [round(x, 4) for x in v] for m, v in res.items()}
+  config["encoder_share_recompute"] = [round(x, 3) for x in share]
+
+
+def memory(quick, rows, config, out):
+  spec, cfg = _setup()
+  mesh = make_mesh({"ulysses": jax.device_count()})
+  model = VLM(cfg, rngs=nnx.Rngs(0))
+  frames = [64, 128, 256, 512, 1024] if quick else [64, 128, 256, 512, 1024, 2048, 4096]
+  tr = _trainers(model, vt.VideoTaskSampler(spec, n_frames=frames[0]), mesh)
+  mb = tr["cached"].config.grpo.prompts_per_step * tr["cached"].config.grpo.group_size
+  peak = {m: [] for m in MODES}
+  for f in frames:
+    for m in MODES:
+      mem = tr[m].update_memory(f, mb)
+      peak[m].append(None if mem is None else mem["peak_bytes"] / 2**20)
+    print(f"[mrsp] memory @{f} frames: " + ", ".join(f"{m} {peak[m][-1]:.1f} MiB" for m in MODES), flush=True)
+  config.update(memory_frames=frames, memory_rows=mb, budget_mib=BUDGET_MIB,
+                peak_mib={m: [round(x, 2) for x in v] for m, v in peak.items()})
+
+  def largest(m):
+    fit = [f for f, p in zip(frames, peak[m]) if p is not None and p <= BUDGET_MIB]
+    return max(fit) if fit else 0
+
+  top = {m: largest(m) for m in MODES}
+  for f, a, b, c in zip(frames, peak["recompute"], peak["cached"], peak["cached_sp"]):
+    rows.append(Row(metric=f"peak memory per device @{f} frames: cached_sp (8) vs cached (1)",
+                    unit="MiB (ratio = cached/cached_sp)", baseline_name="cached", baseline=b, ours=c,
+                    ratio=b / c, note=f"recompute {a:.1f} MiB"))
+  capped = top["cached_sp"] == frames[-1]
+  rows.append(Row(metric=f"largest frame count in {BUDGET_MIB} MiB/device: cached_sp (8) vs cached (1)",
+                  unit="frames (ratio = ours/baseline)", baseline_name="cached", baseline=top["cached"],
+                  ours=top["cached_sp"], ratio=top["cached_sp"] / max(top["cached"], 1), goal=">= 4",
+                  note=(f"recompute fits {top['recompute']}" + ("; cached_sp fits the largest count tried"
+                                                                 if capped else ""))))
+  _plot(out / "peak_memory.png", frames, peak, "frames", "MiB per device", "update peak memory",
+        hline=BUDGET_MIB)
+
+
+def rl(quick, rows, config, out):
+  spec, cfg = _setup()
+  cfg = dataclasses.replace(cfg, vision_layers=1)
+  f = 16
+  sft_steps, rl_steps = (150, 24) if quick else (300, 48)
+  tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=0)
+  t0 = time.perf_counter()
+  model, sft_loss = vg.pretrain_video_policy(VLM(cfg, rngs=nnx.Rngs(0)), tasks, steps=sft_steps)
+  config.update(rl_frames=f, sft_steps=sft_steps, sft_loss=round(sft_loss, 4), rl_steps=rl_steps,
+                sft_seconds=round(time.perf_counter() - t0, 1))
+  mesh = make_mesh({"ulysses": jax.device_count()})
+  gcfg = dataclasses.replace(vg.RECIPE, prompts_per_step=4, group_size=8)
+  tr = vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached_sp", grpo=gcfg), mesh=mesh)
+  rng = np.random.default_rng(123)
+  depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+  per = 8 if quick else 16
+  mixed = vt.VideoTaskSampler(spec, n_frames=f, seed=77).sample(24 if quick else 48)
+  needles = [vt.make_example(spec, rng, "needle", f, depth=d) for d in depths for _ in range(per)]
+
+  def evaluate():
+    e = tr.evaluate(mixed)
+    hits = tr.evaluate(needles)["hits"].reshape(len(depths), per).mean(1)
+    return e, hits
+
+  before, nb = evaluate()
+  curve, acc_curve = [], []
+  for _ in range(rl_steps):
+    m = tr.step()
+    curve.append(m["reward_mean"])
+    acc_curve.append(m["accuracy"])
+  after, na = evaluate()
+  config.update(reward_curve=[round(x, 3) for x in curve], accuracy_curve=[round(x, 3) for x in acc_curve],
+                grpo={k: getattr(gcfg, k) for k in ("group_size", "prompts_per_step", "clip_low", "clip_high",
+                                                     "dual_clip", "loss_agg", "kl_coef", "lr")})
+  rows.append(Row(metric="greedy reward on held-out video QA, before vs after RL (cached_sp)",
+                  unit="reward (ratio = after/before)", baseline_name="after SFT warm-up",
+                  baseline=before["reward"], ours=after["reward"],
+                  ratio=after["reward"] / max(before["reward"], 1e-9), goal=">= 1"))
+  rows.append(Row(metric="greedy exact-match accuracy on held-out video QA, before vs after RL",
+                  unit="accuracy (ratio = after/before)", baseline_name="after SFT warm-up",
+                  baseline=before["accuracy"], ours=after["accuracy"],
+                  ratio=after["accuracy"] / max(before["accuracy"], 1e-9), goal=">= 1"))
+  rows.append(Row(metric=f"V-NIAH-style needle accuracy over depths @{f} frames, before vs after RL",
+                  unit="accuracy (ratio = after/before)", baseline_name="after SFT warm-up",
+                  baseline=float(nb.mean()), ours=float(na.mean()),
+                  ratio=float(na.mean()) / max(float(nb.mean()), 1e-9)))
+  rows.append(Row(metric="mean training reward: last quarter vs first quarter of RL steps",
+                  unit="reward (ratio = last/first)", baseline_name="first quarter",
+                  baseline=float(np.mean(curve[:rl_steps // 4])), ours=float(np.mean(curve[-rl_steps // 4:])),
+                  ratio=float(np.mean(curve[-rl_steps // 4:])) / max(float(np.mean(curve[:rl_steps // 4])), 1e-9)))
+  plot_heatmap(Grid([f], depths, nb[None]), out / "vniah_before.png", title="needle accuracy before RL")
+  plot_heatmap(Grid([f], depths, na[None]), out / "vniah_after.png", title="needle accuracy after RL")
+  _plot(out / "rl_curves.png", list(range(1, rl_steps + 1)), {"reward": curve, "accuracy": acc_curve},
+        "RL step", "mean over rollouts", f"GRPO (cached_sp) at {f} frames")
+
+
+def _plot(path, xs, series, xlabel, ylabel, title, hline=None):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.4))
+  for label, ys in series.items():
+    ax.plot(xs, ys, marker="o", ms=3, label=label)
+  if hline is not None:
+    ax.axhline(hline, color="gray", ls="--", lw=1, label="budget")
+  if xlabel == "frames":
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+PARTS = ("time", "memory", "rl")
+
+
+def run(quick: bool = False, out_dir=None, parts=None) -> list[Row]:
+  parts = parts or PARTS
+  name = NAME if tuple(parts) == PARTS else f"{NAME}_{'_'.join(parts)}"
+  out = run_dir(name, out_dir)
+  rows: list[Row] = []
+  config = {"devices": jax.device_count(), "modes": MODES,
+            "machine": "shared CPU (other jobs running); ratios are measured side by side"}
+  for part, fn in (("time", timing), ("memory", memory), ("rl", rl)):
+    if part in parts:
+      t0 = time.perf_counter()
+      fn(quick, rows, config, out)
+      config[f"{part}_seconds"] = round(time.perf_counter() - t0, 1)
+  write_result(name, rows, config=config, quick=quick, out_dir=out_dir)
+  return rows
+
+
+if __name__ == "__main__":
+  from experiments._cli import main
+  sys.exit(main(NAME))
