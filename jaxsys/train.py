@@ -68,6 +68,12 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.core.mesh import logical_sharding, on_auto_axes
 
+__all__ = [
+    "apply_optax", "causal_lm_loss", "init_health", "make_loop_step", "make_optimizer",
+    "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "train", "TrainConfig",
+    "TrainResult",
+]
+
 log = logging.getLogger("jaxsys")
 
 # TrainConfig fields that change what the optimizer computes: a resume may not change them

@@ -6,6 +6,8 @@ import jax
 
 from pallas_kernels.errors import ConfigError
 
+__all__ = ["BACKENDS", "resolve_backend"]
+
 BACKENDS = ("triton", "mosaic")
 
 

@@ -4,6 +4,8 @@ They live here, below both, so that kernels import nothing from ``jaxsys``. Ever
 the argument and the constraint it broke.
 """
 
+__all__ = ["ConfigError", "InputError", "JaxsysError", "ShapeError"]
+
 
 class JaxsysError(Exception):
   """Base class of jaxsys errors."""

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+__all__ = ["BACKENDS", "BlockSizes", "flash_attention", "KernelConfig"]
+
 _F32 = jnp.float32
 BACKENDS = ("triton", "mosaic")
 

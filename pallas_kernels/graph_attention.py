@@ -34,6 +34,8 @@ from pallas_kernels.errors import ConfigError, ShapeError
 
 from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
 
+__all__ = ["BACKENDS", "resolve_backend", "tile_attention", "tile_attention_bwd_call", "tile_attention_fwd_call", "TileBlocks"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TileBlocks:

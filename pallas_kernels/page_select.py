@@ -33,6 +33,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.errors import ConfigError
 
 from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+
+__all__ = ["BACKENDS", "resolve_backend", "page_scores_pallas", "PageSelectBlocks", "TPU_SMEM_BUDGET_BYTES"]
+
 # SMEM holds the scalar-prefetched block table and lengths (1 MiB per core from TPU v4 on;
 # half is left to the compiler).
 TPU_SMEM_BUDGET_BYTES = 512 * 1024

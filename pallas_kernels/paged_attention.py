@@ -35,6 +35,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.errors import ConfigError
 
 from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+
+__all__ = ["BACKENDS", "resolve_backend", "paged_decode_partials", "PagedDecodeBlocks", "TPU_SMEM_BUDGET_BYTES"]
+
 # SMEM holds the scalar-prefetched page tables (1 MiB on current TPU cores; half is left spare).
 TPU_SMEM_BUDGET_BYTES = 512 * 1024
 

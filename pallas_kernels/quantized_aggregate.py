@@ -37,6 +37,12 @@ from jax.experimental import pallas as pl
 from pallas_kernels.errors import ConfigError
 
 from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+
+__all__ = [
+    "BACKENDS", "resolve_backend", "aggregate_group_kernel", "AggregateBlock", "group_aggregate", "TPU_SMEM_BUDGET_BYTES",
+    "TPU_VMEM_BUDGET_BYTES",
+]
+
 # 1 MiB of SMEM per core from TPU v4 on, 16 MiB of scoped VMEM by default: half of each.
 TPU_SMEM_BUDGET_BYTES = 512 * 1024
 TPU_VMEM_BUDGET_BYTES = 8 * 1024 * 1024

@@ -19,6 +19,8 @@ import sys
 
 from jaxsys.core.errors import ConfigError, JaxsysError
 
+__all__ = ["COMPARE", "compare_table", "main", "make_estimator", "USER_ERRORS"]
+
 # What a user can get wrong: bad values (ConfigError, InputError, TraceError), missing or
 # unreadable files. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (JaxsysError, OSError)

@@ -32,6 +32,11 @@ from pathlib import Path
 
 from jaxsys.core.errors import ConfigError, check_positive
 
+__all__ = [
+    "DemoConfig", "FAILURE_MESSAGES", "FailureInjector", "FileHeartbeat", "InjectedFailure", "KINDS",
+    "main", "parse_inject", "train",
+]
+
 # Realistic last lines of the logs of failing jobs, by failure kind (what the injector prints).
 FAILURE_MESSAGES = {
     "nccl": ("RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1275, "

@@ -25,6 +25,8 @@ import re
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["diagnose", "diagnose_rules", "Diagnosis", "KINDS", "ModelDiagnoser", "Rule", "rule_for", "RULES"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:

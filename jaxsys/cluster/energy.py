@@ -28,6 +28,11 @@ from jaxsys.cluster.loaders import PHILLY_NODES, data_path
 from jaxsys.cluster.trace import RowReader, TraceError, read_csv_rows
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "DemandForecaster", "features", "LAGS", "load_node_sequence", "NodeSequence", "PowerReport",
+    "simulate_power", "WINDOWS",
+]
+
 
 @dataclasses.dataclass
 class NodeSequence:

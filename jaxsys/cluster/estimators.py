@@ -26,6 +26,11 @@ import numpy as np
 from jaxsys.cluster.trace import Job
 from jaxsys.core.errors import ConfigError, InputError
 
+__all__ = [
+    "BlendEstimator", "estimator_error", "GBEstimator", "HistoryEstimator", "name_template",
+    "OracleEstimator", "single_thread", "split_by_time",
+]
+
 _DIGITS = re.compile(r"[0-9]+")
 
 

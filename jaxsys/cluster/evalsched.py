@@ -24,6 +24,11 @@ import random
 
 from jaxsys.core.errors import check_min, check_positive
 
+__all__ = [
+    "Dataset", "EvalCosts", "lower_bound", "Plan", "plan_decoupled", "plan_monolithic", "synthetic_suite",
+    "trials",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:

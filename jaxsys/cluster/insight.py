@@ -21,6 +21,8 @@ import numpy as np
 from jaxsys.cluster.trace import Job
 from jaxsys.core.errors import ConfigError, InputError
 
+__all__ = ["hf_embedder", "InsightEstimator", "job_text"]
+
 _SPLIT = re.compile(r"[^0-9A-Za-z]+")
 
 

@@ -26,6 +26,12 @@ from jaxsys.cluster.trace import (Job, RowReader, Trace, TraceError, normalise_s
                                   read_header, read_text)
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "ALIBABA_NODES", "ALIBABA_PODS", "alibaba_template", "ASSETS", "data_path", "HELIOS_SUMMARY",
+    "load_acme", "load_alibaba", "load_alibaba_nodes", "load_helios", "load_philly", "load_trace",
+    "parse_time", "PHILLY_NODES", "SHARED",
+]
+
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "traces"
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 ALIBABA_PODS = "alibaba_v2023_openb_pod_list_default.csv"

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+__all__ = ["plot_bars", "plot_run"]
+
 
 def plot_run(result, path: str | Path, title: str | None = None) -> Path:
   """Two panels: busy GPUs over time (step plot) and the CDF of job completion times."""

@@ -22,6 +22,8 @@ import dataclasses
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["FIFO", "LAS", "make_policy", "Policy", "QSSF", "restore_overhead", "SJF", "SRTF"]
+
 
 class Policy:
   """Base policy: non-preemptive FIFO."""

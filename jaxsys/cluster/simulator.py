@@ -35,6 +35,8 @@ from jaxsys.cluster.policies import Policy, make_policy, restore_overhead
 from jaxsys.cluster.trace import Job
 from jaxsys.core.errors import ConfigError, check_one_of
 
+__all__ = ["ClusterSpec", "prepare", "SimConfig", "SimJob", "SimResult", "simulate"]
+
 _DONE, _CHANGE = 0, 1  # event kinds; completions are processed before demotions at equal times
 
 

@@ -65,6 +65,11 @@ from pathlib import Path
 from jaxsys.cluster.diagnosis import Diagnosis, ModelDiagnoser, diagnose
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "Attempt", "check_command", "job_paths", "JobContext", "JobStalled", "NaNLoss",
+    "parse_heartbeat", "prune_checkpoints", "supervise", "SupervisorReport", "SupervisorTerminated",
+]
+
 log = logging.getLogger(__name__)
 
 # At most this many malformed heartbeats per attempt are logged one by one; all are counted.

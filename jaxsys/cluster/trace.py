@@ -25,6 +25,11 @@ import numpy as np
 
 from jaxsys.core.errors import InputError, check_min, check_one_of
 
+__all__ = [
+    "Job", "load_helios_summary", "normalise_state", "read_csv_rows", "read_header", "read_text",
+    "RowReader", "STATES", "summarize", "Trace", "TraceError", "undecodable", "validate",
+]
+
 STATES = ("completed", "failed", "cancelled", "running", "pending", "timeout")
 _STATE_ALIASES = {
     "completed": "completed", "complete": "completed", "succeeded": "completed", "pass": "completed",

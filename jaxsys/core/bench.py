@@ -16,6 +16,11 @@ from collections.abc import Callable
 
 import jax
 
+__all__ = [
+    "BACKEND_COMPILES", "block", "compile_count", "compiled_memory", "count_trace", "hardware_string",
+    "matmul_peak_gflops", "time_fn", "time_interleaved", "Timing", "TRACE_COUNTS", "watch_compiles",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:

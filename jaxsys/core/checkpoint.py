@@ -58,6 +58,8 @@ import orbax.checkpoint as ocp
 
 from jaxsys.core.errors import InputError
 
+__all__ = ["Checkpointer", "MANIFEST", "tree_signature", "write_atomic"]
+
 log = logging.getLogger("jaxsys")
 
 MANIFEST = "MANIFEST.json"

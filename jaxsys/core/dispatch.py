@@ -29,6 +29,8 @@ import jax
 
 from jaxsys.core.errors import ConfigError, JaxsysError
 
+__all__ = ["ACCELERATORS", "auto_order", "Dispatcher", "ImplementationError", "IMPLS", "require_backend"]
+
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 ACCELERATORS = ("gpu", "tpu")
 

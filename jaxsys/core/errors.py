@@ -20,6 +20,12 @@ from __future__ import annotations
 # Defined beside the kernels, which import nothing from jaxsys; these are the same classes.
 from pallas_kernels.errors import ConfigError, InputError, JaxsysError, ShapeError  # noqa: F401
 
+__all__ = [
+    "ConfigError", "InputError", "JaxsysError", "ShapeError",
+    "check_divisible", "check_min", "check_multiple", "check_one_of", "check_positive", "check_range",
+    "check_rank",
+]
+
 
 def check_rank(name: str, x, rank: int, *, error=ShapeError, where: str = ""):
   if x.ndim != rank:

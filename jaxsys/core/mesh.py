@@ -34,6 +34,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "auto_mesh", "axes_of_type", "DEFAULT_RULES", "explicit_axes", "hint", "logical_sharding",
+    "logical_to_spec", "make_mesh", "MESH_AXES", "on_auto_axes", "place", "program_mesh",
+    "shard_logically",
+]
+
 # Logical axis -> mesh axes. A tuple shards over several mesh axes (major to minor); None
 # replicates. Mesh axes absent from the mesh in use are dropped when a spec is built.
 DEFAULT_RULES: dict[str, tuple[str, ...] | str | None] = {

@@ -23,6 +23,8 @@ from typing import Any
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["evaluate_goal", "Row", "run_dir", "write_result"]
+
 
 @dataclasses.dataclass
 class Row:

@@ -25,6 +25,8 @@ import numpy as np
 from jaxsys.core.errors import ConfigError, check_min, check_one_of
 from jaxsys.graphs.dataset import check_edges
 
+__all__ = ["block_layout", "GraphTileLayout", "MODES", "reform", "ReformConfig", "ReformedGraph"]
+
 MODES = ("exact", "approximate")
 
 

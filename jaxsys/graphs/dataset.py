@@ -22,6 +22,11 @@ import numpy as np
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min
 from jaxsys.ops.ids import check_ids
 
+__all__ = [
+    "add_self_loops", "canonical_edges", "check_edges", "check_graph", "degrees", "make_graph",
+    "make_node_dataset", "NodeDataset", "split_masks",
+]
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NodeDataset:

@@ -14,6 +14,8 @@ import numpy as np
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset, canonical_edges, check_edges, make_graph
 
+__all__ = ["cluster_permutation", "cluster_reorder", "metis_partition", "reorder_dataset", "Reordering"]
+
 
 def metis_partition(senders, receivers, num_nodes: int, num_parts: int, seed: int = 0) -> np.ndarray:
   """Cluster id ``int32[num_nodes]`` in ``[0, num_parts)`` from METIS (edges symmetrised).

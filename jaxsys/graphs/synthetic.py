@@ -24,6 +24,8 @@ import numpy as np
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset, make_node_dataset, split_masks
 
+__all__ = ["powerlaw_graph", "sbm_graph"]
+
 
 def _check(num_nodes, num_classes, num_communities, avg_degree, intra_fraction, num_features):
   if num_nodes < 2:

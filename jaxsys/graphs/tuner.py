@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["tune_threshold", "TunerRecord", "TunerResult"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TunerRecord:

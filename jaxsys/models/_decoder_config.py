@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from jaxsys.core.errors import ConfigError, check_divisible, check_min, check_one_of, check_positive
 from jaxsys.nn.rope import RopeConfig
 
+__all__ = ["ARCHS", "DecoderConfig", "DTYPES", "LAYER_TYPES"]
+
 ARCHS = ("llama", "qwen2", "mistral")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -29,6 +29,8 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.nn.rope import RopeConfig
 
+__all__ = ["ARCH_CLASSES", "config_from_hf", "config_to_hf"]
+
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "mistral": "MistralForCausalLM"}
 

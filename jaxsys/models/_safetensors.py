@@ -35,6 +35,8 @@ import numpy as np
 
 from jaxsys.core.errors import InputError
 
+__all__ = ["MAX_HEADER_BYTES", "read_header", "TensorInfo", "write_file"]
+
 _DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),

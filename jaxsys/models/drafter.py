@@ -33,6 +33,8 @@ from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.models.decoder import DecoderLayer
 from jaxsys.nn.layers import RMSNorm, param
 
+__all__ = ["check_compatible", "drafter_loss", "DrafterConfig", "EagleDrafter", "TARGET_FIELDS"]
+
 
 # The target fields the draft block takes over; every other ``DecoderConfig`` field keeps its
 # default, so the block is a plain pre-norm layer whatever the target's biases, windows or dtypes.

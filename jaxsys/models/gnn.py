@@ -34,6 +34,11 @@ from jaxsys.quant import a2q
 from jaxsys.quant.random import hash_dropout
 from jaxsys.train import make_train_step
 
+__all__ = [
+    "average_feature_bits", "compression_ratio", "feature_quantizers", "GNN", "GNNConfig",
+    "GNNTrainConfig", "KINDS", "masked_accuracy", "NodeData", "train_gnn", "weight_quantizers",
+]
+
 KINDS = ("gcn", "gin", "gat")
 
 

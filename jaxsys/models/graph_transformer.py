@@ -52,6 +52,11 @@ from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
 from jaxsys.ops.graph_attn import segment_softmax
 
+__all__ = [
+    "add_virtual_node", "ATTENTION", "EncoderLayer", "GCN", "GraphTransformer", "GraphTransformerConfig",
+    "laplacian_pe", "TASKS", "TOPOLOGY", "train_graph_transformer",
+]
+
 ATTENTION = ("sparse", "dense", "dual")
 TOPOLOGY = ("sparse", "reformed", "block")
 TASKS = ("node", "graph")

@@ -23,6 +23,8 @@ from flax import nnx
 
 from jaxsys.core.errors import InputError
 
+__all__ = ["exact_match", "load_tiny_lm", "TINY_LM_PATH"]
+
 TINY_LM_PATH = Path(__file__).resolve().parents[1] / "assets" / "tiny_lm"
 
 

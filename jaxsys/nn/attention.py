@@ -33,6 +33,8 @@ from jaxsys.nn.layers import DecodeWeight, constrain, param
 from jaxsys.nn.rope import RopeConfig, apply_rope
 from jaxsys.ops import masks
 
+__all__ = ["Attention", "decode_attention", "default_attention_fn", "uses_default_xla"]
+
 
 def default_attention_fn(impl: str = "auto") -> Callable:
   from jaxsys.ops.attn import attention

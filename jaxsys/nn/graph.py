@@ -28,6 +28,10 @@ from jaxsys.graphs.dataset import check_graph, degrees
 from jaxsys.graphs.padding import node_mask as padding_node_mask
 from jaxsys.ops.graph_attn import GraphTiles, graph_attention
 
+__all__ = [
+    "attend", "DegreeEncoding", "gcn_norm", "GCNConv", "graph_inputs", "GraphAttention", "GraphInputs",
+]
+
 
 class GraphInputs(NamedTuple):
   """Device-side graph structure. Optional fields are None when unused."""

@@ -22,6 +22,11 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import hint, logical_to_spec
 
+__all__ = [
+    "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
+    "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "SwiGLU",
+]
+
 
 def constrain(x, logical: Sequence[str | None], rules=None):
   """``with_sharding_constraint`` by logical axis names under the ambient mesh; else identity.

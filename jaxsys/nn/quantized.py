@@ -31,6 +31,11 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, InputError, check_min, check_range
 from jaxsys.quant import a2q
 
+__all__ = [
+    "A2QConfig", "BitsParam", "FeatureQuantizer", "QuantGATConv", "QuantGCNConv", "QuantGINConv",
+    "QuantLinear", "StepParam", "WeightQuantizer",
+]
+
 
 class StepParam(nnx.Param):
   """A quantizer step size (kept positive through ``abs`` in the forward pass)."""

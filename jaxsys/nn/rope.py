@@ -35,6 +35,8 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, ShapeError, check_one_of, check_positive
 
+__all__ = ["apply_rope", "inv_frequencies", "rope_cos_sin", "ROPE_KINDS", "RopeConfig"]
+
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 

@@ -42,6 +42,12 @@ from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.ids import check_ids
 from jaxsys.ops.merge import merge_lse
 
+__all__ = [
+    "AdjacencyMask", "dense_graph_attention", "EDGE_CHUNK", "graph_attention", "GraphTiles", "MODES",
+    "reformed_graph_attention", "segment_softmax", "SPARSE", "sparse_graph_attention",
+    "tile_graph_attention", "TILES",
+]
+
 MODES = ("sparse", "dense", "block", "reformed")
 
 

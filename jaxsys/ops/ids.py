@@ -28,6 +28,8 @@ from jax.experimental import checkify
 
 from jaxsys.core.errors import InputError, ShapeError
 
+__all__ = ["check_ids", "checked", "MAX_IDS"]
+
 MAX_IDS = 2 ** 31  # ids are stored as int32: a size above this has ids that do not fit
 
 

@@ -30,6 +30,8 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, ShapeError, check_min
 
+__all__ = ["And", "BlockSparse", "Causal", "Full", "Local", "Mask", "MultiHead", "Or", "Sink"]
+
 
 #: Default compute tile of the XLA backend, and the finest tile a structured mask asks for.
 COARSE_TILE, FINE_TILE = 256, 64

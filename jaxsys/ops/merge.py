@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+__all__ = ["merge_lse", "normalize_partial"]
+
 
 def merge_lse(outs, lses, *, axis: int = 0, segment_ids=None, num_segments: int | None = None,
               indices_are_sorted: bool = False, lse_heads_first: bool = False):

@@ -36,6 +36,11 @@ from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops.merge import merge_lse, normalize_partial
 
+__all__ = [
+    "PAGED_DECODE", "paged_decode_attention", "paged_decode_pallas", "paged_decode_xla", "PAGES_PER_SPLIT",
+    "visible_tokens",
+]
+
 PAGES_PER_SPLIT = 8  # 8 x 64-token pages x 128 dims x 4 B = 256 KiB of K per head: cache-sized
 
 

@@ -31,6 +31,11 @@ from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.ops.ids import check_ids
 
+__all__ = [
+    "aggregate", "AggregationPlan", "AGGREGATIONS", "check_aggregation", "graph_edges", "GroupEdges",
+    "normalized_edges", "plan_aggregation", "quantized_aggregate", "QUANTIZED_AGGREGATE",
+]
+
 AGGREGATIONS = ("sum", "mean", "gcn")
 
 

@@ -40,6 +40,12 @@ from jaxsys.parallel.hybrid import hybrid_attention_shard
 from jaxsys.parallel.ring import check_relative_mask, ring_attention_shard
 from jaxsys.parallel.ulysses import check_heads, ulysses_attention_shard
 
+__all__ = [
+    "allgather_attention_shard", "check_plan_inputs", "make_plan", "PAD_SEGMENT",
+    "sequence_parallel_attention", "sequence_parallel_attention_shard", "shard_program", "sp_attention_fn",
+    "SPPlan", "STRATEGIES",
+]
+
 STRATEGIES = ("hybrid", "ulysses", "ring", "zigzag", "allgather")
 PAD_SEGMENT = -1  # segment id of padding tokens; real segment ids must be >= 0
 

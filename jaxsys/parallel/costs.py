@@ -22,6 +22,8 @@ from jaxsys.ops import masks as masks_lib
 from jaxsys.parallel import ring as ring_lib
 from jaxsys.parallel import zigzag as zz
 
+__all__ = ["analytic_comm_bytes", "hlo_collective_bytes", "rank_work"]
+
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32": 4, "u32": 4,
                 "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _KINDS = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")

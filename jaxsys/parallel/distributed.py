@@ -27,6 +27,8 @@ import jax
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["detect_cluster", "initialize_distributed"]
+
 _STATE = {"initialized": False}
 
 

@@ -43,6 +43,11 @@ from jaxsys.graphs.partition import metis_partition
 from jaxsys.nn.graph import GraphInputs
 from jaxsys.ops.graph_attn import sparse_graph_attention
 
+__all__ = [
+    "DENSE_STRATEGIES", "graph_parallel_apply", "graph_parallel_loss", "GraphPartitionPlan",
+    "halo_exchange", "make_graph_parallel_step", "plan_arrays", "plan_graph_partition",
+]
+
 DENSE_STRATEGIES = ("ring", "ulysses", "allgather")
 
 

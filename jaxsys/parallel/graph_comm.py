@@ -43,6 +43,12 @@ from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
 from jaxsys.quant.random import hash_dropout
 from jaxsys.train import apply_optax, make_train_step
 
+__all__ = [
+    "all_to_all_operand_bytes", "build_partition_plan", "check_partition", "gcn_layer", "init_gcn_params",
+    "inject_grad", "masked_ce", "PartitionPlan", "reference_logits", "reference_step", "SylvieConfig",
+    "SylvieTrainer", "transfer",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class SylvieConfig:

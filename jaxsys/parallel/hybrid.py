@@ -23,6 +23,8 @@ from __future__ import annotations
 from jaxsys.parallel.ring import ring_attention_shard
 from jaxsys.parallel.ulysses import ulysses_attention_shard
 
+__all__ = ["hybrid_attention_shard", "hybrid_comm_elements"]
+
 
 def hybrid_attention_shard(q, k, v, *, ring_axis, ring_size: int, ulysses_axis,
                            ulysses_size: int, layout: str = "zigzag", mask=None,

@@ -38,6 +38,11 @@ from jaxsys.ops.attn.api import attention
 from jaxsys.ops.merge import merge_lse
 from jaxsys.parallel import zigzag as zz
 
+__all__ = [
+    "block_may_be_visible", "check_relative_mask", "merge", "ring_attention_shard", "RingSpec",
+    "schedule_work",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class RingSpec:

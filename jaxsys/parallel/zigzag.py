@@ -30,6 +30,12 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, ShapeError
 
+__all__ = [
+    "check_seq_len", "chunk_starts", "LAYOUTS", "num_chunks", "pad_len", "pad_seq", "permute_shards",
+    "shard_pieces", "shifted_lm_batch", "zigzag_batch", "zigzag_indices", "zigzag_reorder",
+    "zigzag_reorder_shard", "zigzag_restore", "zigzag_restore_shard",
+]
+
 LAYOUTS = ("contiguous", "zigzag")
 
 

@@ -38,6 +38,12 @@ import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError, InputError
 
+__all__ = [
+    "a2q_quantize", "average_bits", "check_bits", "check_target_bits", "init_step_from_data", "MAX_BITS",
+    "memory_penalty", "MIN_BITS", "nns_select", "qmax_of", "quantize_codes", "round_bits",
+    "surrogate_derivatives",
+]
+
 MIN_BITS = 1
 MAX_BITS = 8
 _LN2 = math.log(2.0)

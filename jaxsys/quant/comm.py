@@ -23,6 +23,11 @@ import jax.numpy as jnp
 
 from jaxsys.core.errors import ShapeError
 
+__all__ = [
+    "bytes_per_row", "dequantize_1bit", "OneBitPayload", "pack_bits", "quantize_1bit", "unpack_bits",
+    "words_for",
+]
+
 
 class OneBitPayload(NamedTuple):
   words: jax.Array  # uint32 [..., ceil(F/32)]

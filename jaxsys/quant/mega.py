@@ -24,6 +24,11 @@ import numpy as np
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.quant.a2q import MAX_BITS, MIN_BITS
 
+__all__ = [
+    "condensed_edge_order", "degree_aware_bits", "degree_regularizer", "destination_order", "in_degree",
+    "source_row_loads",
+]
+
 
 def in_degree(receivers, num_nodes: int) -> np.ndarray:
   r = np.asarray(receivers)

@@ -28,6 +28,11 @@ import numpy as np
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.quant.a2q import MAX_BITS, MIN_BITS, check_bits, qmax_of
 
+__all__ = [
+    "code_range", "dequantize", "fields_per_word", "pack_codes", "pack_features", "pack_rows",
+    "PackedFeatures", "unpack_codes", "unpack_rows", "words_per_row",
+]
+
 
 def fields_per_word(bits: int) -> int:
   return 32 // bits

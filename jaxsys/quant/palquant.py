@@ -31,6 +31,11 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.train import make_train_step
 
+__all__ = [
+    "bitops", "cyclic_shuffle", "grouped_conv3x3", "load_digits_split", "lsq_quantize", "PalQuantConfig",
+    "PalQuantConv", "PalQuantNet", "StepSize", "train_digits",
+]
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def lsq_quantize(x, s, bits: int, signed: bool):

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["fmix32", "hash_dropout", "hash_uniform", "keep_mask"]
+
 
 def fmix32(h):
   h = h ^ (h >> 16)

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jaxsys.decoding.sampling import sample_probs
 from jaxsys.speculative.tree import Tree, children_table
 
+__all__ = ["accept_batch", "accept_tree", "Acceptance", "residual"]
+
 
 class Acceptance(NamedTuple):
   path: jax.Array     # int32 [D+1]: accepted node indices, path[0] = root; -1 after n_accepted

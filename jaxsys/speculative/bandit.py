@@ -22,6 +22,8 @@ import numpy as np
 from jaxsys.core.errors import ConfigError
 from jaxsys.decoding.core import bucket_of  # noqa: F401  (re-exported for the bandit users)
 
+__all__ = ["BucketedBandit", "bucket_of", "Strategy"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:

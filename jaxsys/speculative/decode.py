@@ -33,6 +33,11 @@ from jaxsys.decoding import sampling as smp
 from jaxsys.speculative import tree as tree_lib
 from jaxsys.speculative.bandit import Strategy
 
+__all__ = [
+    "DecodeConfig", "DecodeState", "draft", "drafter_sync", "init_state", "jit_draft", "jit_prefill",
+    "jit_sync", "jit_vanilla", "jit_verify", "prefill", "split", "vanilla_step", "verify",
+]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

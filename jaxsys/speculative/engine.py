@@ -43,6 +43,8 @@ from jaxsys.speculative.bandit import BucketedBandit, Strategy
 from jaxsys.speculative.pool import ExecutablePool, enable_persistent_cache
 from jaxsys.decoding.sampling import GREEDY, SamplingParams
 
+__all__ = ["RolloutConfig", "RolloutEngine", "RolloutResult"]
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jaxsys.core.errors import ConfigError
 from jaxsys.decoding.cache import KVCache, TreeCache
 
+__all__ = ["commit", "compact_rows", "drafter_forward", "target_tree_forward"]
+
 
 def drafter_forward(drafter, x, positions, dk, dv, *, vis, prefix_len, write_start,
                     tree_start=None, impl="auto"):

@@ -25,6 +25,8 @@ from jaxsys.decoding import core
 from jaxsys.speculative import decode as dec
 from jaxsys.speculative.bandit import Strategy
 
+__all__ = ["jit_spec_loop", "jit_vanilla_loop", "spec_loop", "vanilla_loop"]
+
 
 def _running(state: dec.DecodeState):
   return (~state.done).sum()

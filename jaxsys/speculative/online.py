@@ -32,6 +32,8 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
 from jaxsys.train import make_train_step
 
+__all__ = ["DrafterBuffer", "DrafterTrainer", "load_drafter", "save_drafter", "SpotTrainer"]
+
 
 class DrafterBuffer:
   """Sequences, target features and prompt lengths of the last ``max_steps`` RL steps."""

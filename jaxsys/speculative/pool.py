@@ -26,6 +26,8 @@ import jax
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = ["aot_compile", "enable_persistent_cache", "executable_bytes", "ExecutablePool"]
+
 
 def executable_bytes(exe) -> int:
   """Bytes the compiled executable holds or plans for while it runs (generated code, temporaries

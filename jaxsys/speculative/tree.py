@@ -26,6 +26,10 @@ import jax.numpy as jnp
 
 from jaxsys.ops import masks as masks_lib
 
+__all__ = [
+    "ancestor_matrix", "chain_tree", "children_table", "select_tree", "Tree", "tree_positions", "TreeMask",
+]
+
 
 class Tree(NamedTuple):
   """One draft tree per sequence (leading batch axes allowed)."""

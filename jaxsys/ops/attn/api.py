@@ -23,6 +23,8 @@ from jaxsys.core.dispatch import Dispatcher, auto_order  # noqa: F401  (auto_ord
 from jaxsys.ops import masks as masks_lib
 from jaxsys.ops.attn.common import AttentionArgs, validate
 
+__all__ = ["ATTENTION", "attention", "auto_order", "head_groups", "IMPLS", "register"]
+
 ATTENTION = Dispatcher("attention", {
     "xla": "jaxsys.ops.attn.xla:blockwise_attention",
     "pallas": "jaxsys.ops.attn.pallas:pallas_compiled",

@@ -13,6 +13,8 @@ import numpy as np
 from jaxsys.core.errors import InputError, ShapeError
 from jaxsys.ops import masks as masks_lib
 
+__all__ = ["AttentionArgs", "validate", "visible_mask"]
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionArgs:

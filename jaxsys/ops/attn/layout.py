@@ -28,6 +28,8 @@ import numpy as np
 
 from jaxsys.ops import masks as M
 
+__all__ = ["BlockLayout", "compile_layout"]
+
 SKIP, FULL, PARTIAL = 0, 1, 2
 
 

@@ -23,6 +23,8 @@ from jaxsys.ops.attn import layout as layout_lib
 from jaxsys.ops.attn.common import AttentionArgs
 from pallas_kernels import flash_attention as fa
 
+__all__ = ["BlockSizes", "pallas_attention", "pallas_compiled", "pallas_interpreted"]
+
 BlockSizes = fa.BlockSizes
 
 

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from jaxsys.ops.attn.common import AttentionArgs, visible_mask
 
+__all__ = ["attention_reference"]
+
 
 def attention_reference(args: AttentionArgs, precision=jax.lax.Precision.HIGHEST):
   """Returns ``(out [b, q, h, d] in q.dtype, lse [b, h, q] float32)``.

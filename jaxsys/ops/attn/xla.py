@@ -41,6 +41,8 @@ from jaxsys.ops.attn import reference
 from jaxsys.ops.attn import layout as layout_lib
 from jaxsys.ops.attn.common import AttentionArgs
 
+__all__ = ["blockwise_attention", "MIN_TILE", "SINGLE_TILE_MAX_Q", "XlaBlockSizes"]
+
 _F32 = jnp.float32
 
 
