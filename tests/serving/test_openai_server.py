@@ -1,0 +1,161 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client over HTTP on 127.0.0.1.
+
+A small random-weight model with SmolLM2's tokenizer (its chat template and 49152-token vocab)
+keeps the tests fast; the tokenizer comes from the SmolLM2 GGUF (skipped with the fetch command
+when it is not installed)."""
+
+import concurrent.futures
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from jaxsys.models import pretrained
+from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.models.decoder import random_model
+from jaxsys.serving import ServingConfig, ServingEngine, generate
+from jaxsys.serving.lserve import LServeConfig
+
+openai = pytest.importorskip("openai")
+NAME = "tiny-chat"
+PAGES = 96
+SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer every question about the "
+          "sea, the weather and the harbour in one short sentence, and never use lists."}
+
+
+@pytest.fixture(scope="module")
+def setup():
+  path = pretrained.find("smollm2-135m-instruct")
+  if path is None:
+    pytest.skip(f"SmolLM2 tokenizer not installed: run `{pretrained.fetch_command('smollm2-135m-instruct')}`")
+  from jaxsys.models.gguf import load_tokenizer
+  from jaxsys.serving.openai_server import start_server
+  tok = load_tokenizer(path)
+  cfg = DecoderConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=512)
+  model = random_model(cfg, seed=0)
+  engine = ServingEngine(model, ServingConfig(
+      lserve=LServeConfig(dense=True, page_size=16, logical_page_size=4), max_batch=8,
+      num_pages=PAGES, max_seq_len=256, max_num_batched_tokens=192), tokenizer=tok)
+  server = start_server(engine, NAME)
+  client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+  yield model, tok, engine, server, client
+  server.stop()
+
+
+def _idle(engine, timeout=20.0):
+  """Waits until the engine thread has nothing live; True if the pool is full again."""
+  end = time.time() + timeout
+  while time.time() < end:
+    if not engine.has_unfinished() and engine.num_free_pages == PAGES:
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def _chat(text):
+  return [SYSTEM, {"role": "user", "content": text}]
+
+
+def test_chat_streaming_equals_non_streaming_and_models(setup):
+  _, _, engine, server, client = setup
+  assert [m.id for m in client.models.list().data] == [NAME]
+  assert httpx.get(server.url + "/health").json()["status"] == "ok"
+  kw = dict(model=NAME, messages=_chat("Is the tide in?"), max_tokens=6, temperature=0)
+  full = client.chat.completions.create(**kw)
+  chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == full.choices[0].message.content and len(text) > 0
+  assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 6
+  assert full.choices[0].finish_reason == "length"
+  assert _idle(engine)
+
+
+def test_n_stop_and_logprobs(setup):
+  _, _, engine, _, client = setup
+  r = client.chat.completions.create(model=NAME, messages=_chat("Weather?"), max_tokens=5, n=3,
+                                     temperature=1.0, seed=5)
+  assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1
+  base = client.chat.completions.create(model=NAME, messages=_chat("Boats?"), max_tokens=8,
+                                        temperature=0).choices[0].message.content
+  stop = base[len(base) // 2:len(base) // 2 + 3]
+  cut = client.chat.completions.create(model=NAME, messages=_chat("Boats?"), max_tokens=8,
+                                       temperature=0, stop=[stop])
+  assert cut.choices[0].message.content == base[:base.find(stop)]
+  assert cut.choices[0].finish_reason == "stop"
+  lp = client.chat.completions.create(model=NAME, messages=_chat("Boats?"), max_tokens=4,
+                                      temperature=0, logprobs=True, top_logprobs=3).choices[0]
+  content = lp.logprobs.content
+  assert len(content) == 4
+  for t in content:
+    tops = [x.logprob for x in t.top_logprobs]
+    assert len(tops) == 3 and tops == sorted(tops, reverse=True) and t.logprob == pytest.approx(tops[0])
+  assert _idle(engine)
+
+
+def test_errors_have_openai_shape(setup):
+  _, _, engine, server, client = setup
+  for bad, param in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                     (dict(max_tokens=10**6), None)):
+    with pytest.raises(openai.BadRequestError) as e:
+      client.chat.completions.create(model=NAME, messages=_chat("hi"), **bad)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["message"]
+    if param:
+      assert err["param"] == param
+  assert "max_seq_len=256" in e.value.body["message"]  # context overflow
+  with pytest.raises(openai.NotFoundError) as e:
+    client.chat.completions.create(model="gpt-4", messages=_chat("hi"))
+  assert e.value.body["code"] == "model_not_found"
+  # a bounded queue: with room for one request, a second one while the first streams gets 503
+  server.loop.max_pending = 1
+  try:
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+        "model": NAME, "prompt": "The harbour", "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
+      next(s.iter_lines())
+      r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
+      assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+  finally:
+    server.loop.max_pending = 256
+  assert _idle(engine)
+
+
+def test_disconnect_mid_stream_frees_pages(setup):
+  _, _, engine, server, _ = setup
+  body = {"model": NAME, "messages": _chat("Tell me a long story."), "max_tokens": 200,
+          "ignore_eos": True, "stream": True}
+  with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as s:
+    lines = s.iter_lines()
+    got = [next(lines) for _ in range(6)]
+    assert all(x.startswith("data: ") or not x for x in got)
+    assert engine.has_unfinished()
+  assert _idle(engine)  # aborted long before 200 tokens; every page back in the pool
+
+
+def test_32_concurrent_streaming_clients(setup):
+  model, tok, engine, _, client = setup
+  questions = [f"Question {i}: what colour is the lighthouse number {i}?" for i in range(32)]
+  params = [dict(temperature=0) if i % 2 == 0 else
+            dict(temperature=0.8, top_p=0.9, seed=i, extra_body={"top_k": 20, "min_p": 0.01})
+            for i in range(32)]
+  hits0 = engine.cache.alloc.hits
+
+  def one(i):
+    s = client.chat.completions.create(model=NAME, messages=_chat(questions[i]), max_tokens=6,
+                                       stream=True, **params[i])
+    text, reason = "", None
+    for c in s:
+      if c.choices:
+        text += c.choices[0].delta.content or ""
+        reason = c.choices[0].finish_reason or reason
+    return text, reason
+
+  with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    results = list(pool.map(one, range(32)))
+  assert all(reason in ("stop", "length") for _, reason in results)
+  greedy = [i for i in range(32) if i % 2 == 0]
+  ref = generate(model, [_chat(questions[i]) for i in greedy], tokenizer=tok, max_new_tokens=6)
+  assert [results[i][0] for i in greedy] == ref.text
+  assert _idle(engine) and engine.cache.alloc.hits > hits0 and engine.cache.alloc.hit_rate > 0
+  assert np.mean([len(t) > 0 for t, _ in results]) > 0.5
