@@ -4,7 +4,7 @@
   jaxsys info                                  version, JAX version, devices, available implementations
   jaxsys reproduce [--quick] [--only NAME ...] [--out DIR]
                                                run registered experiments, print a table, write runs/
-  jaxsys serve ...                             sparse-attention serving engine on a prompt file
+  jaxsys serve ...                             OpenAI-compatible HTTP server (or the engine on a prompt file)
   jaxsys cluster ...                           scheduler simulator sweeps and trace summaries
 
 Subcommands come from the functions in :data:`REGISTRARS`; each takes the ``jaxsys`` subparsers
@@ -168,7 +168,7 @@ def _register_core(sub) -> None:
 
 
 def _register_forwarded(sub) -> None:
-  add_forwarded(sub, "serve", "jaxsys.serving.cli", "serve prompts with the LServe engine")
+  add_forwarded(sub, "serve", "jaxsys.serving.cli", "OpenAI-compatible server (or a prompt file)")
   add_forwarded(sub, "cluster", "jaxsys.cluster.cli", "cluster scheduling tools")
 
 

@@ -1,16 +1,26 @@
-"""``jaxsys serve``: run the serving engine on a prompt file.
+"""``jaxsys serve``: an OpenAI-compatible HTTP server, or the serving engine on a prompt file.
 
-Prompt file: one prompt per line, either a JSON list of token ids, a JSON object with a
-``"tokens"`` list (and optional ``"max_new_tokens"``), or whitespace-separated token ids.
-Results go to stdout (or ``--out``) as JSON lines ``{"index", "tokens", "finished", "error"}``,
-followed by a summary line on stderr.
+Without ``--prompts`` it serves ``--model`` over HTTP (``jaxsys.serving.openai_server``:
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``); attention is dense
+unless ``--lserve`` (LServe: page selection for retrieval heads under ``--budget``, and with
+``--gates`` streaming heads on sink + local pages)::
+
+  jaxsys serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
+  jaxsys serve --model smollm2-135m-instruct --lserve --budget 1024 --gates gates.json --port 8000
+
+With ``--prompts`` it runs the batch engine on a prompt file (LServe unless ``--dense``). Prompt
+file: one prompt per line, either a JSON list of token ids, a JSON object with a ``"tokens"``
+list (and optional ``"max_new_tokens"``), or whitespace-separated token ids. Results go to
+stdout (or ``--out``) as JSON lines ``{"index", "tokens", "finished", "error"}``, followed by a
+summary line on stderr.
 
   jaxsys serve --prompts prompts.jsonl --model tiny --budget 256 --page-size 16 \\
                --logical-page 4 --gates gates.json --max-new-tokens 32
   jaxsys serve --prompts prompts.jsonl --model tiny --dense
 
-``--model``: ``tiny`` (the shipped tiny LM), ``random`` (a small random-weight model, for smoke
-tests) or a Hugging Face checkpoint directory.
+``--model``: a named pretrained model (``smollm2-135m-instruct``, with its tokenizer and chat
+template; ``jaxsys fetch`` it first), ``tiny`` (the shipped tiny LM), ``random`` (a small
+random-weight model, for smoke tests) or a Hugging Face checkpoint directory.
 """
 
 from __future__ import annotations
@@ -25,9 +35,21 @@ from jaxsys.core.errors import ConfigError, InputError
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxsys serve", description=__doc__.split("\n\n")[0])
-  p.add_argument("--prompts", required=True, help="prompt file (see jaxsys serve --help)")
-  p.add_argument("--model", default="tiny", help="tiny | random | HF checkpoint dir")
+  p.add_argument("--prompts", help="prompt file: run the batch engine on it instead of serving HTTP")
+  p.add_argument("--model", default="tiny",
+                 help="smollm2-135m-instruct | tiny | random | HF checkpoint dir")
   p.add_argument("--dense", action="store_true", help="dense attention (every head, every page)")
+  p.add_argument("--lserve", action="store_true", help="LServe sparse attention (the HTTP server's "
+                 "default is dense; the prompt-file mode's is LServe)")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--max-pending", type=int, default=256,
+                 help="requests queued or running before new ones get 503")
+  p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                 help="token budget of one engine step (decode tokens + prefill chunks)")
+  p.add_argument("--default-max-tokens", type=int, default=256,
+                 help="max_tokens of a request that does not set it (bounded by the context)")
+  p.add_argument("--no-prefix-caching", action="store_true")
   p.add_argument("--budget", type=int, default=4096, help="token budget of retrieval heads")
   p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--logical-page", type=int, default=16)
@@ -78,6 +100,15 @@ def read_prompts(path) -> tuple[list[list[int]], list[int | None]]:
 
 
 def load_model(name: str):
+  """``(model, tokenizer or None)``."""
+  from jaxsys.models.pretrained import MODELS  # noqa: PLC0415
+  if name in MODELS:
+    from jaxsys.models import load_pretrained  # noqa: PLC0415
+    return load_pretrained(name)
+  return _load_plain(name), None
+
+
+def _load_plain(name: str):
   if name == "tiny":
     from jaxsys.models import load_tiny_lm
     return load_tiny_lm()
@@ -97,21 +128,26 @@ def main(argv=None) -> int:
   from jaxsys.serving.lserve import LServeConfig
   from jaxsys.serving.streaming import StreamingGates
   try:
-    prompts, news = read_prompts(args.prompts)
-    ls = LServeConfig(dense=args.dense, page_size=args.page_size, logical_page_size=args.logical_page,
+    prompts, news = read_prompts(args.prompts) if args.prompts else (None, None)
+    dense = args.dense or (prompts is None and not args.lserve)
+    ls = LServeConfig(dense=dense, page_size=args.page_size, logical_page_size=args.logical_page,
                       token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
                       window=args.window, kv_int8=args.kv_int8)
     cfg = ServingConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
                        max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
-                       else args.max_seq_len)
+                       else args.max_seq_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                       prefix_caching=not args.no_prefix_caching)
     streaming = None
-    if args.gates and not args.dense:
+    if args.gates and not dense:
       gates = StreamingGates.load(args.gates)
       if (gates.sink, gates.window) != (args.sink, args.window):
         print(f"note: gates were learned with sink={gates.sink}, window={gates.window}",
               file=sys.stderr)
       streaming = gates.streaming
-    engine = ServingEngine(load_model(args.model), cfg, streaming=streaming)
+    model, tokenizer = load_model(args.model)
+    engine = ServingEngine(model, cfg, streaming=streaming, tokenizer=tokenizer)
+    if prompts is None:
+      return _serve_http(engine, args)
     sampling = None if args.temperature is None else SamplingParams(args.temperature, top_p=args.top_p,
                                                                       seed=args.seed)
     max_new = [args.max_new_tokens if m is None else int(m) for m in news]
@@ -126,11 +162,23 @@ def main(argv=None) -> int:
     Path(args.out).write_text(text)
   else:
     sys.stdout.write(text)
-  mode = "dense" if args.dense else f"lserve(budget={args.budget})"
+  mode = "dense" if dense else f"lserve(budget={args.budget})"
   print(f"served {len(prompts)} prompts ({sum(e is not None for e in res.errors)} rejected), {mode}: "
         f"{res.decode_tokens} decode tokens in {res.decode_seconds:.2f}s "
         f"({res.decode_tokens_per_second:.1f} tok/s), prefill {res.prefill_seconds:.2f}s",
         file=sys.stderr)
+  return 0
+
+
+def _serve_http(engine, args) -> int:
+  import logging  # noqa: PLC0415
+  from jaxsys.serving.openai_server import serve  # noqa: PLC0415
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  mode = "dense" if engine.config.lserve.dense else f"lserve(budget={args.budget})"
+  logging.getLogger("jaxsys.serving.server").info(
+      "serving %s (%s) on http://%s:%d/v1", args.model, mode, args.host, args.port)
+  serve(engine, args.model, host=args.host, port=args.port, max_pending=args.max_pending,
+        default_max_tokens=args.default_max_tokens)
   return 0
 
 
