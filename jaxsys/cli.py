@@ -96,6 +96,35 @@ def format_table(results: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _last_line(path: Path, limit: int = 4096) -> str:
+  """The last non-empty line of a log (tqdm bars end their lines with carriage returns)."""
+  with open(path, "rb") as fh:
+    fh.seek(0, os.SEEK_END)
+    fh.seek(max(0, fh.tell() - limit))
+    text = fh.read().decode("utf-8", "replace")
+  lines = [x.strip() for x in text.replace("\r", "\n").splitlines() if x.strip()]
+  return lines[-1] if lines else ""
+
+
+def _wait_with_heartbeat(proc, log_path: Path, t0: float, timeout, every: float):
+  """Waits for ``proc``; every ``every`` seconds prints the elapsed time and the log's last line.
+  Returns the exit code, or None after killing it at ``timeout`` seconds."""
+  next_beat = t0 + every
+  while True:
+    try:
+      return proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+      pass
+    now = time.perf_counter()
+    if timeout is not None and now - t0 > timeout:
+      proc.kill()
+      proc.wait()
+      return None
+    if every > 0 and now >= next_beat:
+      print(f"      ... {now - t0:.0f}s  {_last_line(log_path)[:100]}", flush=True)
+      next_beat = now + every
+
+
 def _reproduce(args) -> int:
   from jaxsys.experiments import REGISTRY
   names = args.only or list(REGISTRY)
@@ -121,12 +150,8 @@ def _reproduce(args) -> int:
     if result_path.exists():
       result_path.unlink()
     with open(log_path, "w") as log:
-      try:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
-                              timeout=args.timeout)
-        returncode = proc.returncode
-      except subprocess.TimeoutExpired:
-        returncode = None
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+      returncode = _wait_with_heartbeat(proc, log_path, t0, args.timeout, args.heartbeat)
     dt = time.perf_counter() - t0
     if returncode is None:
       res = {"name": name, "error": f"timed out after {args.timeout:.0f}s"}
@@ -164,6 +189,8 @@ def _register_core(sub) -> None:
   r.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments")
   r.add_argument("--out", default="runs", help="output folder (default: runs)")
   r.add_argument("--timeout", type=float, default=None, help="seconds per experiment")
+  r.add_argument("--heartbeat", type=float, default=30.0,
+                 help="seconds between progress lines while an experiment runs (0: none)")
   r.set_defaults(fn=_reproduce)
 
 

@@ -141,3 +141,67 @@ def test_info_shows_the_version(capsys):
   with pytest.raises(SystemExit):
     cli.main(["--version"])
   assert capsys.readouterr().out.strip() == f"jaxsys {cli.version()}"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_readme_serve_section_runs(tmp_path):
+  """The README's "Serve a model" commands and client snippet, as written (a free port instead of
+  8000, and a smaller page pool to bound memory), against the real SmolLM2."""
+  import socket
+  import time
+  import urllib.request
+  from jaxsys.models import pretrained
+  if pretrained.find("smollm2-135m-instruct") is None:
+    pytest.skip("SmolLM2 not installed: run `jaxsys fetch smollm2-135m-instruct`")
+  readme = (ROOT / "README.md").read_text()
+  sec = readme[readme.index("### Serve a model"):]
+  sec = sec[:sec.index("\n### ", 1)]
+  fetch, serve = re.search(r"```bash\n(.*?)```", sec, re.S).group(1).strip().splitlines()
+  snippet = re.search(r"```python\n(.*?)```", sec, re.S).group(1)
+  out = _run(*shlex.split(fetch)[1:])
+  assert fetch.startswith("jaxsys fetch") and out.returncode == 0, out.stderr
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  argv = shlex.split(serve)[1:]
+  argv[argv.index("--port") + 1] = str(port)
+  log = open(tmp_path / "serve.log", "w")
+  proc = subprocess.Popen([_console_script(), *argv, "--num-pages", "64"], stdout=log, stderr=log)
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+      try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        break
+      except OSError:
+        time.sleep(1)
+    assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+    res = subprocess.run([sys.executable, "-c", snippet.replace("8000", str(port))],
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
+    log.close()
+
+
+def test_reproduce_heartbeat_shows_the_running_experiments_last_line(tmp_path, capsys):
+  import subprocess
+  import sys
+  import time
+  log_path = tmp_path / "log.txt"
+  code = ("import sys, time\nfor i in range(4):\n  sys.stdout.write(f'\\rstep {i}/4'); sys.stdout.flush(); "
+          "time.sleep(0.4)\nprint()\nprint('done')")
+  with open(log_path, "w") as log:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    assert cli._wait_with_heartbeat(proc, log_path, t0, None, every=0.5) == 0
+  out = capsys.readouterr().out
+  assert "step " in out and "s  step" in out
+  assert cli._last_line(log_path) == "done"
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=log)
+    assert cli._wait_with_heartbeat(proc, log_path, time.perf_counter(), 1.0, every=0) is None
+  assert proc.returncode is not None  # killed, not left running
