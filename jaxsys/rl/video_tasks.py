@@ -4,7 +4,7 @@ Built on the synthetic videos of ``jaxsys.data.video`` (haystack frames of noise
 glyphs; a "marked" frame carries the marker on every patch and two glyphs). Three kinds:
 
 * ``needle``: one marked frame; answer its two glyphs ``c_0 c_1`` (V-NIAH).
-* ``count``: ``k`` marked frames (``1 <= k <= 9``); answer the digit ``k``.
+* ``count``: ``k`` marked frames (``1 <= k <= min(9, F)``); answer the digit ``k``.
 * ``order``: two marked frames; answer the first glyph of the earlier one, then of the later one.
 
 Prompt (one row): ``BOS, <frame tokens>, TASK, ASK`` with ``TASK`` one of ``NEEDLE``, ``COUNT``,
@@ -47,17 +47,20 @@ class VideoExample:
     return self.answer + (video.EOS,)
 
 
-def make_example(spec: video.VideoSpec, rng: np.random.Generator, kind: str, n_frames: int) -> VideoExample:
+def make_example(spec: video.VideoSpec, rng: np.random.Generator, kind: str, n_frames: int,
+                 depth: float | None = None) -> VideoExample:
+  """One example; ``depth`` (``needle`` only) puts the needle at ``round(depth * (F - 1))``."""
   check_one_of("kind", kind, KINDS)
-  if n_frames < (9 if kind == "count" else 2):
-    raise ConfigError(f"{n_frames=} is too few frames for the {kind!r} task")
+  if n_frames < 2:
+    raise ConfigError(f"{n_frames=} must be >= 2 for the {kind!r} task")
   frames = video.haystack_frames(spec, rng, n_frames)
   codes = rng.integers(0, spec.num_classes, size=(2, 2))
   if kind == "needle":
-    video.mark_frame(spec, rng, frames[int(rng.integers(n_frames))], codes[0])
+    at = int(rng.integers(n_frames)) if depth is None else int(round(float(depth) * (n_frames - 1)))
+    video.mark_frame(spec, rng, frames[at], codes[0])
     answer = tuple(int(c) for c in codes[0])
   elif kind == "count":
-    k = int(rng.integers(1, 10))
+    k = int(rng.integers(1, min(9, n_frames) + 1))
     for i in rng.choice(n_frames, size=k, replace=False):
       video.mark_frame(spec, rng, frames[i], rng.integers(0, spec.num_classes, size=2))
     answer = (k,)
