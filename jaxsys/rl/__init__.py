@@ -5,6 +5,8 @@
 * ``policy``: config and supervised warm-up of the tiny policy used by experiments/tlt.py.
 * ``tlt``: ``make_tlt_trainer`` / ``TLTConfig``: TLT assembled (rollout engine + online drafter
   buffer, trainer and spot scheduling + GRPO), or its vanilla baseline.
+* ``video_grpo``: ``VideoGRPOTrainer`` / ``VideoGRPOConfig``: LongVILA-R1 MR-SP, GRPO on long videos
+  with cached vision embeddings and sequence-parallel passes; ``video_tasks``: verifiable video QA.
 """
 
 from jaxsys._lazy import lazy_exports
@@ -14,4 +16,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "TaskSampler": "tasks", "reward": "tasks",
     "policy_config": "policy", "pretrain_policy": "policy", "cached_policy": "policy",
     "TLTConfig": "tlt", "TLT": "tlt", "make_tlt_trainer": "tlt",
+    "VideoGRPOTrainer": "video_grpo", "VideoGRPOConfig": "video_grpo", "policy_objective": "grpo",
+    "VideoTaskSampler": "video_tasks",
 })
