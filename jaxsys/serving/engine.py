@@ -150,7 +150,6 @@ class ServingEngine:
     self._since_select = 0
     from jaxsys.serving.generation import default_stop_tokens  # noqa: PLC0415
     self.stop_tokens = tuple(default_stop_tokens(mc, tokenizer) if stop_tokens is None else stop_tokens)
-    self._keep_logits = False
     self.scheduler = Scheduler(self, tokenizer)
 
   # -- step-level API (scheduler.py) ----------------------------------------------------------

@@ -124,7 +124,6 @@ class SeqState:
   finish_reason: str | None = None
   text: Any = None                    # TextStream (with a tokenizer)
   preemptions: int = 0
-  logits: list = dataclasses.field(default_factory=list)  # raw logits rows (ServingEngine.generate)
 
   @property
   def rid(self) -> tuple[str, int]:

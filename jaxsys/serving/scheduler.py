@@ -232,19 +232,28 @@ class Scheduler:
         return self._step()
       return []
     self.stats["steps"] += 1
-    rows, logits = [], []
+    slots = len(self.slots)
+    rows, src, from_prefill = [], [], []
+    dec_logits = None
     if decode:
-      lg = self._decode(decode)
+      dec_logits = self._decode(decode)  # [slots, vocab], row = slot
       rows += decode
-      logits.append(lg)
+      src += [s.slot for s in decode]
+      from_prefill += [False] * len(decode)
+    hidden = None
     for s, n in chunks:
-      hidden = self._prefill(s, n)
+      h = self._prefill(s, n)
       self.stats["prefill_tokens"] += n
-      if hidden is not None:
+      if h is not None:  # the prompt is complete: its last hidden state gives the next token
+        if hidden is None:
+          hidden = jnp.zeros((slots, h.shape[-1]), h.dtype)
+        hidden = _put_row(hidden, h, jnp.int32(len([f for f in from_prefill if f])))
+        src.append(len([f for f in from_prefill if f]))
+        from_prefill.append(True)
         rows.append(s)
-        logits.append(_logits(self.engine._graphdef, self.engine._params, hidden))
-    outs = self._sample(rows, jnp.concatenate(logits, axis=0)) if rows else []
-    return outs
+    if not rows:
+      return []
+    return self._sample(rows, dec_logits, hidden, src, from_prefill)
 
   def _chunk_len(self, s: SeqState, budget: int) -> int:
     left = len(s.tokens) - s.computed
@@ -281,7 +290,7 @@ class Scheduler:
     return hidden
 
   def _decode(self, decode) -> jax.Array:
-    """One decode step over the slots; logits ``[len(decode), vocab]`` in ``decode`` order."""
+    """One decode step over the slots: logits ``[slots, vocab]`` (row ``i`` = slot ``i``)."""
     e = self.engine
     rids = [None] * len(self.slots)
     tokens = np.zeros(len(self.slots), np.int32)
@@ -295,27 +304,26 @@ class Scheduler:
     for s in decode:
       s.computed += 1
     self.stats["decode_tokens"] += len(decode)
-    return logits[jnp.asarray([s.slot for s in decode])]
+    return logits
 
-  def _sample(self, rows, logits) -> list[StepOutput]:
-    b = len(self.slots)
-    r = len(rows)
+  def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
+    """Samples each row's next token. Shapes are fixed per engine (``slots`` rows, padded), so
+    one executable serves every mix of decoding and just-prefilled sequences."""
+    e = self.engine
+    b, r = len(self.slots), len(rows)
     pad = lambda xs, dt, fill=0: np.asarray(list(xs) + [fill] * (b - r), dt)  # noqa: E731
-    lg = jnp.zeros((b, logits.shape[1]), logits.dtype).at[:r].set(logits)
     p = [s.params for s in rows]
-    toks, chosen, top_ids, top_lp = _sample_rows(
-        lg, pad([s.seed for s in rows], np.uint32), pad([s.index for s in rows], np.int32),
+    toks, chosen, top_ids, top_lp = _sample_step(
+        e._graphdef, e._params, dec_logits, hidden, pad(src, np.int32), pad(from_prefill, bool, False),
+        pad([s.seed for s in rows], np.uint32), pad([s.index for s in rows], np.int32),
         pad([len(s.out) for s in rows], np.int32), pad([q.temperature for q in p], np.float32),
         pad([q.top_k for q in p], np.int32), pad([q.top_p for q in p], np.float32, 1.0),
         pad([q.min_p for q in p], np.float32))
     toks, chosen, top_ids, top_lp = jax.device_get((toks, chosen, top_ids, top_lp))
-    keep_logits = self.engine._keep_logits
     outs = []
     for i, s in enumerate(rows):
       tok = int(toks[i])
       s.out.append(tok)
-      if keep_logits:
-        s.logits.append(np.asarray(logits[i]))
       lps = None
       if s.params.logprobs:
         k = s.params.top_logprobs
@@ -353,16 +361,26 @@ class _Prompt:
     self.prompt = prompt
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _logits(graphdef, params, hidden):
-  """Logits ``[1, vocab]`` of a final hidden state ``[1, embed]``."""
-  return nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]
-
-
 @jax.jit
-def _sample_rows(logits, seeds, choice, index, temperature, top_k, top_p, min_p):
-  """Each row's next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``,
-  and the model's log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``)."""
+def _put_row(buf, row, i):
+  """``buf[i] = row[0]`` (``buf [slots, embed]``, ``row [1, embed]``; ``i`` traced: one executable)."""
+  return jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), i, axis=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample_step(graphdef, params, dec_logits, hidden, src, from_prefill, seeds, choice, index,
+                 temperature, top_k, top_p, min_p):
+  """Row ``j``'s logits are ``dec_logits[src[j]]`` (a decode slot) or, where ``from_prefill[j]``,
+  the model's logits of ``hidden[src[j]]`` (a prompt's last hidden state); each row then draws
+  its next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``.
+  Returns the tokens and the model's log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``)."""
+  parts = []
+  if dec_logits is not None:
+    parts.append(dec_logits[src])
+  if hidden is not None:
+    pre = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
+    parts.append(pre[src].astype(parts[0].dtype) if parts else pre[src])
+  logits = parts[0] if len(parts) == 1 else jnp.where(from_prefill[:, None], parts[1], parts[0])
   keys = jax.vmap(lambda s, c, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), c), i))(
       seeds, choice, index)
   toks = sample_rows(keys, logits, temperature, top_k, jnp.minimum(top_p, 1.0), min_p)
