@@ -70,10 +70,27 @@ class StreamingGates:
     Path(path).write_text(json.dumps(dataclasses.asdict(self)))
 
   @classmethod
-  def load(cls, path) -> "StreamingGates":
-    d = json.loads(Path(path).read_text())
+  def load(cls, path, *, sparsity: float = 0.5, sink: int | None = None,
+           window: int | None = None) -> "StreamingGates":
+    """Our JSON, or DuoAttention's / omniserve's ``full_attention_heads.tsv`` (``*.tsv``): one line
+    per layer of tab-separated per-kv-head gate values. For a TSV the ``sparsity`` lowest gates
+    become streaming heads (DuoAttention's ``sparsify_attention_heads``); ``sink`` / ``window``
+    default to ``sink_size`` / ``recent_size`` of the ``config.json`` beside it, else 64 / 256."""
+    path = Path(path)
+    if path.suffix == ".tsv":
+      alpha = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
+      meta = path.with_name("config.json")
+      cfg = json.loads(meta.read_text()) if meta.exists() else {}
+      return cls.from_alpha(alpha, sink=cfg.get("sink_size", 64) if sink is None else sink,
+                            window=cfg.get("recent_size", 256) if window is None else window,
+                            sparsity=sparsity)
+    d = json.loads(path.read_text())
     return cls(tuple(map(tuple, d["alpha"])), tuple(map(tuple, d["streaming"])), d["sink"],
                d["window"], d["sparsity"], tuple(d.get("history", ())))
+
+  def save_tsv(self, path) -> None:
+    """Writes the gates in DuoAttention's ``full_attention_heads.tsv`` format."""
+    np.savetxt(path, np.asarray(self.alpha), delimiter="\t", fmt="%.6f")
 
 
 @jax.tree_util.register_dataclass

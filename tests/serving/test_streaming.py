@@ -42,3 +42,18 @@ def test_planted_unused_heads_become_streaming(tmp_path):
   assert np.asarray(gates.with_sparsity(0.25).streaming).sum() == 1
   with pytest.raises(ShapeError, match="answer_mask"):
     identify_streaming_heads(model, (tokens, answer[:, :3]))
+
+
+def test_duoattention_tsv_head_pattern(tmp_path):
+  """DuoAttention / omniserve ``full_attention_heads.tsv`` (one line per layer, a gate per kv
+  head) loads with the sparsity rule; sink / window come from the config.json beside it."""
+  alpha = np.array([[0.9, 0.1, 0.4], [0.05, 0.8, 0.7]])
+  path = tmp_path / "full_attention_heads.tsv"
+  path.write_text("\n".join("\t".join(f"{x:.2f}" for x in row) for row in alpha) + "\n")
+  (tmp_path / "config.json").write_text('{"sink_size": 128, "recent_size": 1024}')
+  g = StreamingGates.load(path, sparsity=0.5)
+  assert g.streaming == ((False, True, True), (True, False, False))  # the 3 smallest gates
+  assert (g.sink, g.window) == (128, 1024)
+  g.save_tsv(tmp_path / "out.tsv")
+  again = StreamingGates.load(tmp_path / "out.tsv", sparsity=0.5, sink=4, window=8)
+  assert again.alpha == g.alpha and again.streaming == g.streaming and again.window == 8
