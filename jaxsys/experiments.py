@@ -16,8 +16,10 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "vniah": ("experiments.vniah", "LongVILA MM-SP", "video needle-in-a-haystack before/after long-context extension"),
     "mrsp": ("experiments.mrsp", "LongVILA-R1 MR-SP", "video GRPO: cached embeddings + SP passes, step time, memory, reward"),
     "lserve": ("experiments.lserve", "LServe", "sparse decode/prefill attention and engine vs dense"),
+    "serving": ("experiments.serving", "LServe", "OpenAI-compatible server under Poisson load over HTTP"),
     "tlt": ("experiments.tlt", "TLT", "speculative decoding acceptance and GRPO rollout speedup"),
     "torchgt": ("experiments.torchgt", "TorchGT", "graph transformer accuracy and attention scaling"),
     "gnn_quant": ("experiments.gnn_quant", "A2Q / MEGA / Sylvie / PalQuant", "quantized GNNs and 1-bit communication"),
     "cluster": ("experiments.cluster", "Helios / Acme / SchedMate", "scheduling, energy saving, fault tolerance"),
+    "date": ("experiments.date", "DATE", "dual-assignment NMS-free detection: steps to AP, NMS-free AP, inference time"),
 }
