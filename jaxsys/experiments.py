@@ -21,5 +21,6 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "torchgt": ("experiments.torchgt", "TorchGT", "graph transformer accuracy and attention scaling"),
     "gnn_quant": ("experiments.gnn_quant", "A2Q / MEGA / Sylvie / PalQuant", "quantized GNNs and 1-bit communication"),
     "cluster": ("experiments.cluster", "Helios / Acme / SchedMate", "scheduling, energy saving, fault tolerance"),
+    "spiking_nerf": ("experiments.spiking_nerf", "SpikingNeRF", "spiking vs ANN colour MLP: PSNR, energy, TP vs TCP packing"),
     "date": ("experiments.date", "DATE", "dual-assignment NMS-free detection: steps to AP, NMS-free AP, inference time"),
 }
