@@ -35,7 +35,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +154,65 @@ def response_logprobs(model, ft, inputs, prompt: int, *, frame_slot=None, send_i
   return jnp.take_along_axis(logp, inputs[:, prompt:, None], axis=-1)[..., 0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  gdef: Any          # the single-device VLM (rollout prompt embedding)
+  pass_gdef: Any     # the VLM of the log-prob / update passes (the sharded twin in cached_sp)
+  config: VideoGRPOConfig
+  sharded: bool
+
+
+def _optimizer(config: VideoGRPOConfig):
+  return optax.adam(config.grpo.lr)
+
+
+def _pass_model(prog: _Program, params, rest, sharded: bool):
+  return nnx.merge(prog.pass_gdef if sharded else prog.gdef, params, rest)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _encode_jit(prog, params, rest, frames):
+  return encode_videos(_pass_model(prog, params, rest, prog.sharded), frames, prog.config.encode_chunk)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed_prompt_jit(prog, params, rest, ft, prompts, slots):
+  return _pass_model(prog, params, rest, False).embed_with_frame_tokens(prompts, ft, frame_slot=slots)
+
+
+def _logp_fn(prog, params, rest, src, prompt, rows, batch):
+  """``src``: cached frame tokens ``[n, T, H]`` or, in ``recompute``, frames ``[n, F, ...]``
+  re-encoded for every row."""
+  model = _pass_model(prog, params, rest, prog.sharded)
+  if prog.config.mode == "recompute":
+    ft = encode_videos(model, src[rows], prog.config.encode_chunk)
+  else:
+    ft = src[rows]
+  return response_logprobs(model, ft, batch["inputs"], prompt, frame_slot=batch.get("frame_slot"),
+                           send_idx=batch.get("send_idx"), recv_pos=batch.get("recv_pos"))
+
+
+def _loss_grad_fn(prog, params, rest, src, prompt, rows, batch, adv, old, ref):
+  def loss(p):
+    logp = _logp_fn(prog, p, rest, src, prompt, rows, batch)
+    loss, aux = grpo.policy_objective(logp, old, ref, batch["mask"], adv,
+                                      **prog.config.grpo.objective_kwargs())
+    return loss, dict(aux, logp=logp)
+  return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def _update_fn(prog, params, rest, opt_state, src, prompt, rows, batch, adv, old, ref):
+  (loss, aux), grads = _loss_grad_fn(prog, params, rest, src, prompt, rows, batch, adv, old, ref)
+  updates, opt_state = _optimizer(prog.config).update(grads, opt_state, params)
+  aux = {k: v for k, v in aux.items() if k != "logp"}
+  return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
+
+
+_logp_jit = jax.jit(_logp_fn, static_argnums=(0, 4))
+_loss_grad_jit = jax.jit(_loss_grad_fn, static_argnums=(0, 4))
+_update_jit = jax.jit(_update_fn, static_argnums=(0, 5))
+
+
 class VideoGRPOTrainer:
   """``step()`` = encode (once per video in cached modes) -> rollout with a shared prefill ->
   rewards -> group advantages -> old / reference log-probs -> clipped updates."""
@@ -174,55 +235,26 @@ class VideoGRPOTrainer:
       sp = rebuild(model, mesh=mesh, strategy=config.sp_strategy)
       self.mesh, self.plan, self.multiple = mesh, sp.plan, sp.plan.degree
       self.pass_gdef = nnx.split(sp, LM_PARAMS, ...)[0]
+      # Replicated on the mesh from the start: the sharded update returns them so, and inputs
+      # that kept the single-device placement would recompile every pass after the first step.
+      from jax.sharding import NamedSharding, PartitionSpec
+      rep = NamedSharding(mesh, PartitionSpec())
+      self.params, self.rest = jax.device_put((self.params, self.rest), rep)
     self.ref_params = jax.tree.map(jnp.copy, self.params)
-    self.tx = optax.adam(config.grpo.lr)
-    self.opt_state = self.tx.init(self.params)
+    self.opt_state = _optimizer(config).init(self.params)
     self.rng = np.random.default_rng(config.grpo.seed)
     self.step_count = 0
     self.encoded_videos = 0   # videos run through the vision tower (counted per pass)
     self.prefill_rows: list[int] = []  # rows of each rollout prefill (n, not n * G)
     self._maps: dict = {}
-    self._encode = jax.jit(self._encode_fn)
-    self._embed_prompt = jax.jit(self._embed_prompt_fn)
-    self._logp = jax.jit(self._logp_fn, static_argnums=(3,))
-    self._loss_grad = jax.jit(self._loss_grad_fn, static_argnums=(3,))
-    self._update = jax.jit(self._update_fn, static_argnums=(4,))
-
-  # ---- model passes (pure; jitted above) ---------------------------------------------------
-
-  def _model(self, params, rest, sharded: bool):
-    return nnx.merge(self.pass_gdef if sharded else self.gdef, params, rest)
-
-  def _encode_fn(self, params, rest, frames):
-    return encode_videos(self._model(params, rest, self.mesh is not None), frames, self.config.encode_chunk)
-
-  def _embed_prompt_fn(self, params, rest, ft, prompts, slots):
-    return self._model(params, rest, False).embed_with_frame_tokens(prompts, ft, frame_slot=slots)
-
-  def _logp_fn(self, params, rest, src, prompt, rows, batch):
-    """``src``: cached frame tokens ``[n, T, H]`` or, in ``recompute``, frames ``[n, F, ...]``
-    re-encoded for every row."""
-    model = self._model(params, rest, self.mesh is not None)
-    if self.config.mode == "recompute":
-      ft = encode_videos(model, src[rows], self.config.encode_chunk)
-    else:
-      ft = src[rows]
-    return response_logprobs(model, ft, batch["inputs"], prompt, frame_slot=batch.get("frame_slot"),
-                             send_idx=batch.get("send_idx"), recv_pos=batch.get("recv_pos"))
-
-  def _loss_grad_fn(self, params, rest, src, prompt, rows, batch, adv, old, ref):
-    def loss(p):
-      logp = self._logp_fn(p, rest, src, prompt, rows, batch)
-      loss, aux = grpo.policy_objective(logp, old, ref, batch["mask"], adv,
-                                        **self.config.grpo.objective_kwargs())
-      return loss, dict(aux, logp=logp)
-    return jax.value_and_grad(loss, has_aux=True)(params)
-
-  def _update_fn(self, params, rest, opt_state, src, prompt, rows, batch, adv, old, ref):
-    (loss, aux), grads = self._loss_grad_fn(params, rest, src, prompt, rows, batch, adv, old, ref)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    aux = {k: v for k, v in aux.items() if k != "logp"}
-    return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
+    # The compiled passes are module-level, keyed by this static program: trainers of the same
+    # model structure and config share their executables.
+    prog = _Program(self.gdef, self.pass_gdef, config, self.mesh is not None)
+    self._encode = functools.partial(_encode_jit, prog)
+    self._embed_prompt = functools.partial(_embed_prompt_jit, prog)
+    self._logp = functools.partial(_logp_jit, prog)
+    self._loss_grad = functools.partial(_loss_grad_jit, prog)
+    self._update = functools.partial(_update_jit, prog)
 
   # ---- host side ---------------------------------------------------------------------------
 
@@ -300,10 +332,11 @@ class VideoGRPOTrainer:
                              jnp.arange(len(examples), dtype=jnp.int32), batch, jnp.asarray(adv),
                              jnp.asarray(old), jnp.asarray(ref))
 
-  def rollout(self, examples, ft, seed: int):
-    """``G`` sampled responses per example (rows ``i * G + j``), from one prefill per prompt."""
+  def rollout(self, examples, ft, seed: int, *, greedy: bool = False):
+    """``G`` sampled responses per example (rows ``i * G + j``), from one prefill per prompt
+    (``greedy``: one argmax response per example)."""
     c = self.config
-    g = c.grpo.group_size
+    g = 1 if greedy else c.grpo.group_size
     n, n_frames = len(examples), examples[0].frames.shape[0]
     tpf = self.vlm_cfg.tokens_per_frame
     if c.rollout_frames is not None and c.rollout_frames < n_frames:
@@ -326,9 +359,18 @@ class VideoGRPOTrainer:
               "top_p": jnp.float32(1.0), "max_new": jnp.int32(c.max_new),
               "stops": jnp.asarray([video.EOS], jnp.int32)}
     toks, _, _, counts, _, _ = core.jit_decode_loop(lm_gdef, lm_state, cache, logits0, None, params,
-                                                    (False, 0, False), c.max_new, False)
+                                                    (greedy, 0, False), c.max_new, False)
     toks, counts = np.asarray(toks), np.asarray(counts)
     return [toks[i, :counts[i]].tolist() for i in range(n * g)]
+
+  def evaluate(self, examples) -> dict:
+    """Greedy answers of the current policy: mean ``accuracy`` (exact match), ``reward`` and the
+    per-example ``hits`` (the rollout's view of the video, ``rollout_frames`` included)."""
+    ft = self.encode(np.stack([ex.frames for ex in examples]))
+    responses = self.rollout(examples, ft, seed=0, greedy=True)
+    hits = np.array([vt.accuracy(ex, r) for ex, r in zip(examples, responses)])
+    rewards = np.array([self.reward_fn(ex, r) for ex, r in zip(examples, responses)])
+    return {"accuracy": float(hits.mean()), "reward": float(rewards.mean()), "hits": hits}
 
   def step(self, examples=None) -> dict:
     c, gc = self.config, self.config.grpo
@@ -390,5 +432,31 @@ class VideoGRPOTrainer:
     vec = sds((rows,))
     mat = sds((rows, lay.response))
     with self._ctx():
-      return compiled_memory(self._update, self.params, self.rest, self.opt_state, src, lay.prompt,
+      return compiled_memory(_update_jit, self._update.args[0], self.params, self.rest, self.opt_state, src, lay.prompt,
                              sds((rows,), jnp.int32), batch, vec, mat, mat)
+
+
+def pretrain_video_policy(model, tasks: vt.VideoTaskSampler, *, steps: int = 200, batch: int = 16,
+                          lr: float = 3e-3, seed: int = 0):
+  """Supervised warm-up of the whole VLM (vision tower included) on teacher-forced answers, the
+  stand-in for a pretrained VLM that RL starts from. Returns ``(model, final_loss)``."""
+  from jaxsys.train import make_train_step
+  lay = RowLayout(tasks.n_frames, model.cfg.tokens_per_frame, tasks.max_response)
+  gdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr * 0.1))
+  opt = tx.init(params)
+
+  def loss_fn(m, frames, inputs, slots, mask):  # teacher forcing on the answer + EOS
+    logp = response_logprobs(m, m.frame_tokens(frames), inputs, lay.prompt, frame_slot=slots)
+    return -(logp * mask).sum() / mask.sum()
+
+  step = make_train_step(loss_fn, tx, graphdef=gdef)
+  rng = np.random.default_rng(seed)
+  loss = np.nan
+  for _ in range(steps):
+    exs = tasks.sample(batch, rng)
+    inputs, slots, mask = build_rows(lay, exs, [ex.target for ex in exs])
+    frames = np.stack([ex.frames for ex in exs])
+    params, opt, loss, _, _ = step(params, opt, rest, jnp.asarray(frames), jnp.asarray(inputs),
+                                   jnp.asarray(slots), jnp.asarray(mask))
+  return nnx.merge(gdef, params, rest), float(loss)
