@@ -208,6 +208,7 @@ def _update_fn(prog, params, rest, opt_state, src, prompt, rows, batch, adv, old
   return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
 
 
+_SP_TWINS: dict = {}  # (graphdef, mesh, strategy) -> (sharded graphdef, SPPlan)
 _logp_jit = jax.jit(_logp_fn, static_argnums=(0, 4))
 _loss_grad_jit = jax.jit(_loss_grad_fn, static_argnums=(0, 4))
 _update_jit = jax.jit(_update_fn, static_argnums=(0, 5))
@@ -232,9 +233,12 @@ class VideoGRPOTrainer:
     if config.mode == "cached_sp":
       if mesh is None:
         raise ConfigError("mode='cached_sp' needs mesh= (a mesh with a 'ulysses' axis)")
-      sp = rebuild(model, mesh=mesh, strategy=config.sp_strategy)
-      self.mesh, self.plan, self.multiple = mesh, sp.plan, sp.plan.degree
-      self.pass_gdef = nnx.split(sp, LM_PARAMS, ...)[0]
+      key = (self.gdef, mesh, config.sp_strategy)
+      if key not in _SP_TWINS:  # one sharded graphdef per structure and mesh (shared executables)
+        sp = rebuild(model, mesh=mesh, strategy=config.sp_strategy)
+        _SP_TWINS[key] = (nnx.split(sp, LM_PARAMS, ...)[0], sp.plan)
+      self.pass_gdef, self.plan = _SP_TWINS[key]
+      self.mesh, self.multiple = mesh, self.plan.degree
       # Replicated on the mesh from the start: the sharded update returns them so, and inputs
       # that kept the single-device placement would recompile every pass after the first step.
       from jax.sharding import NamedSharding, PartitionSpec
@@ -358,9 +362,10 @@ class VideoGRPOTrainer:
     params = {"seed": jnp.int32(seed), "temperature": jnp.float32(c.temperature),
               "top_p": jnp.float32(1.0), "max_new": jnp.int32(c.max_new),
               "stops": jnp.asarray([video.EOS], jnp.int32)}
-    toks, _, _, counts, _, _ = core.jit_decode_loop(lm_gdef, lm_state, cache, logits0, None, params,
-                                                    (greedy, 0, False), c.max_new, False)
+    toks, logps, _, counts, _, _ = core.jit_decode_loop(lm_gdef, lm_state, cache, logits0, None, params,
+                                                        (greedy, 0, False), c.max_new, False)
     toks, counts = np.asarray(toks), np.asarray(counts)
+    self.rollout_logprobs = [np.asarray(logps)[i, :counts[i]] for i in range(n * g)]  # the sampler's
     return [toks[i, :counts[i]].tolist() for i in range(n * g)]
 
   def evaluate(self, examples) -> dict:

@@ -62,14 +62,23 @@ def test_cached_sp_logprobs_and_grads_equal_single_device(setup):
 
 def test_encoder_once_per_video_and_shared_prefill(setup):
   model, _ = setup
-  t = _trainer(model, "cached", rollout_frames=4)
-  m = t.step()
+  t = _trainer(model, "cached")
   n, g = t.config.grpo.prompts_per_step, t.config.grpo.group_size
+  ex = t.tasks.sample(n)
+  p0 = t.params
+  m = t.step(ex)
+  # the rollout (prefilled from embeddings) and the passes see the same context
+  lp = np.asarray(t.logprobs(ex, m["responses"], params=p0, rows=np.repeat(np.arange(n), g)))
+  for i, want in enumerate(t.rollout_logprobs):
+    np.testing.assert_allclose(lp[i, :len(want)], want, atol=1e-5)
   assert m["encoded_videos"] == n           # rollout, old, ref and update passes share one encoding
   assert t.prefill_rows == [n]              # one prefill per prompt, shared by its G rollouts
   assert len(m["responses"]) == n * g and all(len(r) <= t.config.max_new for r in m["responses"])
   assert np.isfinite(m["loss"]) and 0.0 <= m["reward_mean"] <= 1.0
   # the baseline re-encodes every row in the old, reference and update passes
+  sub = _trainer(model, "cached", rollout_frames=4)   # the rollout sees 4 of the 8 frames
+  sub.rollout(ex, sub.encode(np.stack([e.frames for e in ex])), seed=0)
+  assert sub.prefill_rows == [n] and sub.encoded_videos == n
   b = _trainer(model, "recompute")
   b.logprobs(vt.VideoTaskSampler(SPEC, n_frames=8).sample(2), RESP * 2, rows=[0, 0, 1, 1])
   assert b.encoded_videos == 4
