@@ -12,4 +12,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "RopeConfig": "rope", "apply_rope": "rope", "inv_frequencies": "rope",
     "rope_cos_sin": "rope",
     "Attention": "attention", "default_attention_fn": "attention",
+    "LIF": "spiking", "LIFConfig": "spiking", "SpikingLinear": "spiking", "spike_count": "spiking",
 })
