@@ -21,4 +21,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "from_gguf": "gguf", "save_gguf": "gguf", "config_from_gguf": "gguf", "load_tokenizer": "gguf",
     "load_pretrained": "pretrained", "fetch": "pretrained",
     "load_tiny_lm": "tiny", "TINY_LM_PATH": "tiny", "exact_match": "tiny",
+    "SpikingNeRF": "spiking_nerf", "SpikingNeRFConfig": "spiking_nerf",
 })
