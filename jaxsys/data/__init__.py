@@ -7,4 +7,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "make_example": "synthetic", "examples": "synthetic", "reward": "synthetic",
     "training_batch": "synthetic", "token_names": "synthetic", "detokenize": "synthetic",
     "save_tokenizer": "synthetic", "passkey_text": "synthetic", "PASSKEY_FILLER": "synthetic",
+    "make_scene": "scenes", "render_dataset": "scenes",
 })
