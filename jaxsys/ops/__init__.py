@@ -18,9 +18,13 @@ _getattr, __dir__ = lazy_exports(__name__, {
     "merge_lse": "merge",
     "check_ids": "ids",
     "checked": "ids",
+    "tcp_pack": "tcp",
+    "tp_pack": "tcp",
 })
 
 from jaxsys.ops import masks  # noqa: E402, F401  (the mask vocabulary, used with every op)
+
+__all__ = [*__all__, "masks"]  # noqa: F405, F821  (set by lazy_exports)
 
 
 def __getattr__(name):
