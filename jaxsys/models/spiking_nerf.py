@@ -325,6 +325,7 @@ class ViewStats:
   time_len: list = dataclasses.field(default_factory=list)
   num_rays: list = dataclasses.field(default_factory=list)
   density: list = dataclasses.field(default_factory=list)
+  exact_len: list = dataclasses.field(default_factory=list)   # time steps before bucketing
 
 
 def renderer(model, mode: str):
@@ -348,7 +349,9 @@ def render_views(model, views, *, mode: str = "tcp") -> ViewStats:
     d = jnp.asarray(views.rays_d[i].reshape(-1, 3))
     max_len = max_rays = None
     if _packs(model) and mode != "dense":
-      max_len, max_rays = P.plan(np.asarray(mask_fn(state, o, d)), mode)
+      valid = np.asarray(mask_fn(state, o, d))
+      max_len, max_rays = P.plan(valid, mode)
+      stats.exact_len.append(P.pack_sizes(valid, mode)[0])
     out = render_fn(state, o, d, max_len, max_rays)
     stats.images[i] = np.asarray(out.rgb).reshape(h, w, 3)
     stats.num_points += int(out.num_points)
