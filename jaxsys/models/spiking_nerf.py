@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, check_one_of, check_positive, check_range
+from jaxsys.core.errors import ConfigError, InputError, check_one_of, check_positive, check_range
 from jaxsys.nerf import packing as P
 from jaxsys.nerf.grids import (Box, VoxelGrid, density_shift, density_to_alpha, lattice_points,
                                nearest, occupancy_mask)
@@ -291,8 +291,8 @@ def fit(model, views, *, steps: int, batch_rays: int = 1024, mode: str = "tcp", 
   once per bucket (``jaxsys.train.make_train_step``)."""
   from jaxsys.train import make_train_step
   check_one_of("mode", mode, MODES)
-  check_positive(type("A", (), {"steps": steps, "batch_rays": batch_rays})(), "steps",
-                 "batch_rays", integer=True)
+  if steps < 1 or batch_rays < 1:
+    raise InputError(f"steps={steps} and batch_rays={batch_rays} must be >= 1")
   rays_o, rays_d, target = _flat(views)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx = make_optimizer(steps, lr_grid=lr_grid, lr_mlp=lr_mlp)
