@@ -8,4 +8,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "training_batch": "synthetic", "token_names": "synthetic", "detokenize": "synthetic",
     "save_tokenizer": "synthetic", "passkey_text": "synthetic", "PASSKEY_FILLER": "synthetic",
     "make_scene": "scenes", "render_dataset": "scenes",
+    "ShapesConfig": "shapes", "Shapes": "shapes", "make_shapes": "shapes", "CLASSES": "shapes",
 })

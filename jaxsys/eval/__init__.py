@@ -1,4 +1,4 @@
-"""jaxsys.eval: evaluations (video needle-in-a-haystack grids, accuracy harnesses)."""
+"""jaxsys.eval: evaluations (video needle-in-a-haystack grids, detection AP, accuracy harnesses)."""
 
 from jaxsys._lazy import lazy_exports
 
@@ -6,4 +6,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "vniah_grid": "vniah",
     "plot_heatmap": "vniah",
     "Grid": "vniah",
+    "coco_ap": "detection", "pycocotools_ap": "detection", "duplicate_rate": "detection",
+    "from_batch": "detection",
 })

@@ -22,4 +22,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "load_pretrained": "pretrained", "fetch": "pretrained",
     "load_tiny_lm": "tiny", "TINY_LM_PATH": "tiny", "exact_match": "tiny",
     "SpikingNeRF": "spiking_nerf", "SpikingNeRFConfig": "spiking_nerf",
+    "DATE": "date", "DATEConfig": "date", "date_loss": "date", "make_date_train_step": "date",
+    "train_detector": "date", "make_detect_fn": "date", "predict_dataset": "date",
 })
