@@ -328,6 +328,9 @@ def train_detector(model: DATE, data, *, steps: int, batch_size: int, learning_r
     pos += batch_size
     batch = [put(x[idx]) for x in (data.images, data.boxes, data.labels, data.valid)]
     params, opt_state, loss, parts, rest = step(params, opt_state, rest, *batch)
+    # one step in flight at a time: a long queue of steps that each wait on a host callback
+    # (the Hungarian matching) can stall the CPU runtime's thread pool
+    loss.block_until_ready()
     history.append({"step": s, "loss": loss, **parts})
     if on_eval is not None and eval_every and (s % eval_every == 0 or s == steps):
       on_eval(s, params, rest)
