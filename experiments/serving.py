@@ -1,0 +1,235 @@
+"""Serving experiment: an open-loop Poisson load over HTTP against the OpenAI-compatible server.
+
+  python -m experiments.serving --quick      # a 4-layer random-weight model, token-id prompts
+  python -m experiments.serving              # SmolLM2-135M-Instruct (jaxsys fetch it first)
+
+Each server (``jaxsys.serving.openai_server.start_server`` on 127.0.0.1) gets the same load
+through the official ``openai`` client (``AsyncOpenAI``, streamed ``/v1/completions``, HTTP on
+loopback): requests arrive as a Poisson process at three rates (0.5x, 1x and 2x the rate one
+request at a time can sustain, measured first), each with a prompt of ragged length and
+``max_tokens`` new tokens (``ignore_eos``, so every server produces the same number of tokens).
+Reported per server and rate: output throughput (tokens/s from the first arrival to the last
+token), time to first token and inter-token latency (p50, p99); a plot of latency vs rate.
+
+Servers: one batch slot (the engine serving requests one at a time: what a server without
+continuous batching does), continuous batching with dense attention, and continuous batching
+with LServe (page selection + 50% streaming heads). The peer a user would run instead,
+llama.cpp's OpenAI-compatible server (``python -m llama_cpp.server``, the ``bench`` extra), gets
+the same load on the same weights written as an F32 GGUF when ``llama_cpp`` is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxsys.core.results import Row, run_dir, write_result
+
+NAME = "serving"
+
+
+def _model(quick: bool):
+  if quick:
+    from jaxsys.models._decoder_config import DecoderConfig
+    from jaxsys.models.decoder import random_model
+    cfg = DecoderConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
+                        num_heads=8, num_kv_heads=4, max_position_embeddings=4096)
+    return random_model(cfg, seed=0), None, "random-4L"
+  from jaxsys.models import load_pretrained
+  model, tok = load_pretrained("smollm2-135m-instruct")
+  return model, tok, "smollm2-135m-instruct"
+
+
+def _engines(model, tok, page: int, max_seq: int):
+  from jaxsys.serving import ServingConfig, ServingEngine
+  from jaxsys.serving.lserve import LServeConfig
+  mc = model.config
+  pages = 8 * (-(-max_seq // page)) + 8
+  dense = LServeConfig(dense=True, page_size=page, logical_page_size=page // 4)
+  ls = LServeConfig(page_size=page, logical_page_size=page // 4, token_budget=4 * page,
+                    sink=page, window=2 * page)
+  flags = [[(h + layer) % 2 == 0 for h in range(mc.num_kv_heads)] for layer in range(mc.num_layers)]
+  common = dict(num_pages=pages, max_seq_len=max_seq, max_num_batched_tokens=512, prefill_chunk=256)
+  return {
+      "one slot": lambda: ServingEngine(model, ServingConfig(lserve=dense, max_batch=1, **common), tokenizer=tok),
+      "continuous (dense)": lambda: ServingEngine(model, ServingConfig(lserve=dense, max_batch=8, **common),
+                                                 tokenizer=tok),
+      "continuous (LServe)": lambda: ServingEngine(model, ServingConfig(lserve=ls, max_batch=8, **common),
+                                                  streaming=flags, tokenizer=tok),
+  }
+
+
+async def _one(client, model_name, prompt, max_tokens, t_send):
+  t0 = time.perf_counter()
+  times = []
+  stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+  async for chunk in stream:
+    if chunk.choices:
+      times.append(time.perf_counter())
+  return {"send": t_send, "start": t0, "times": times}
+
+
+async def _load(url, model_name, prompts, rate, max_tokens, seed):
+  """Open loop: request i is sent at its Poisson arrival time whatever the server's state."""
+  import openai
+  client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
+  gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(prompts))
+  t_start = time.perf_counter()
+  tasks = []
+  for prompt, at in zip(prompts, np.cumsum(gaps) - gaps[0]):
+    await asyncio.sleep(max(0.0, t_start + at - time.perf_counter()))
+    tasks.append(asyncio.create_task(_one(client, model_name, prompt, max_tokens, time.perf_counter())))
+  res = await asyncio.gather(*tasks)
+  await client.close()
+  return res
+
+
+def _summary(res) -> dict:
+  ttft = [r["times"][0] - r["start"] for r in res if r["times"]]
+  itl = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
+  tokens = sum(len(r["times"]) for r in res)
+  span = max(r["times"][-1] for r in res if r["times"]) - min(r["start"] for r in res)
+  pct = lambda x, q: float(np.percentile(x, q)) if x else float("nan")  # noqa: E731
+  return {"throughput": tokens / span, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+          "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "tokens": tokens, "span_s": span}
+
+
+def _llama_cpp_server(model, tok, workdir: Path, port: int):
+  """``python -m llama_cpp.server`` on the model saved as an F32 GGUF, or None if not installed."""
+  if importlib.util.find_spec("llama_cpp") is None or tok is None:  # llama.cpp needs a GGUF tokenizer
+    return None
+  import jaxsys.models as M
+  from jaxsys.models import pretrained
+  src = pretrained.find("smollm2-135m-instruct") if tok is not None else None
+  path = M.save_gguf(model, workdir / "model-f32.gguf", dtype="f32", tokenizer=src)
+  proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host",
+                           "127.0.0.1", "--port", str(port), "--n_ctx", "8192", "--model_alias", "peer"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  return proc
+
+
+def run(quick: bool, out_dir) -> list[Row]:
+  from jaxsys.serving.openai_server import start_server
+  out = run_dir(NAME, out_dir)
+  model, tok, model_name = _model(quick)
+  page, max_tokens = (16, 16) if quick else (64, 32)
+  n_req = 16 if quick else 48
+  lens = (40, 200) if quick else (200, 1500)
+  max_seq = 256 if quick else 2048
+  rng = np.random.default_rng(0)
+  vocab = model.config.vocab_size
+  # fresh prompts for every rate (a repeated prompt would hit the prefix cache of an earlier rate)
+  load = {i: [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(*lens, n_req)] for i in range(4)}
+  # warm-up: every prefill chunk bucket (16 ... 256 tokens) and the decode step
+  warm = [rng.integers(3, vocab, n).tolist() for n in (12, 30, 60, 120, lens[1] - 1)]
+  config = {"model": model_name, "requests_per_rate": n_req, "prompt_tokens": list(lens),
+            "max_tokens": max_tokens, "page_size": page, "machine": "shared CPU (other jobs running)"}
+  results: dict = {}
+  servers = {}
+  try:
+    for name, make in _engines(model, tok, page, max_seq).items():
+      servers[name] = start_server(make(), model_name, max_pending=10_000)
+      for p in warm:  # compile every prefill bucket and the decode step
+        asyncio.run(_load(servers[name].url, model_name, [p, p], 100.0, max_tokens, 0))
+    # the rate one request at a time sustains, on the one-slot server
+    lat = []
+    for p in load[3][:5]:
+      t0 = time.perf_counter()
+      asyncio.run(_load(servers["one slot"].url, model_name, [p], 1.0, max_tokens, 0))
+      lat.append(time.perf_counter() - t0)
+    per = float(np.median(lat))
+    rates = [round(c / per, 3) for c in (0.5, 1.0, 2.0)]
+    config["service_s_per_request"] = round(per, 3)
+    config["rates_req_s"] = rates
+    for i, rate in enumerate(rates):  # servers interleaved at each rate (the machine is shared)
+      for name, server in servers.items():
+        res = asyncio.run(_load(server.url, model_name, load[i], rate, max_tokens, seed=i))
+        results[(name, rate)] = _summary(res)
+        print(f"  {name} @ {rate} req/s: {results[(name, rate)]}", flush=True)
+  finally:
+    for server in servers.values():
+      server.stop()
+  with tempfile.TemporaryDirectory() as tmp:
+    proc = _llama_cpp_server(model, tok, Path(tmp), 8791)
+    if proc is not None:
+      try:
+        _wait_http("http://127.0.0.1:8791/v1/models", proc)
+        for i, rate in enumerate(rates):
+          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load[i], rate, max_tokens, i))
+          results[("llama.cpp", rate)] = _summary(res)
+      finally:
+        proc.terminate()
+  config["llama_cpp"] = "measured" if ("llama.cpp", rates[-1]) in results else (
+      "not measured: llama-cpp-python is not installed (pip install 'jaxsys[bench]')"
+      if importlib.util.find_spec("llama_cpp") is None else
+      "not measured: the quick model has no tokenizer for a GGUF (the full mode runs it)")
+  rows = []
+  top = rates[-1]
+  for rate in rates:
+    b, o = results[("one slot", rate)], results[("continuous (dense)", rate)]
+    rows.append(Row(f"throughput @ {rate} req/s, continuous batching vs one slot", "tokens/s (ratio = ours/baseline)",
+                    ours=o["throughput"], baseline=b["throughput"], baseline_name="one slot",
+                    ratio=o["throughput"] / b["throughput"], goal=">= 1" if rate == top else None))
+    for m in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+      rows.append(Row(f"{m.replace('_', ' ')} @ {rate} req/s, continuous (dense) vs one slot", "s",
+                      ours=o[m], baseline=b[m], baseline_name="one slot"))
+  ls, d = results[("continuous (LServe)", top)], results[("continuous (dense)", top)]
+  rows.append(Row(f"throughput @ {top} req/s, LServe vs dense (prompts {lens[0]}-{lens[1]} tokens)",
+                  "tokens/s (ratio = ours/baseline)", ours=ls["throughput"], baseline=d["throughput"],
+                  baseline_name="continuous (dense)", ratio=ls["throughput"] / d["throughput"],
+                  note="short prompts: LServe's savings grow with the context"))
+  if ("llama.cpp", top) in results:
+    p = results[("llama.cpp", top)]
+    rows.append(Row(f"throughput @ {top} req/s vs llama.cpp server", "tokens/s (ratio = ours/baseline)",
+                    ours=d["throughput"], baseline=p["throughput"], baseline_name="llama.cpp (F32 GGUF)",
+                    ratio=d["throughput"] / p["throughput"], goal=">= 1"))
+  _plot(results, rates, out / "latency_vs_rate.png")
+  write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir,
+               extra={"results": {f"{k[0]} @ {k[1]}": v for k, v in results.items()}})
+  return rows
+
+
+def _wait_http(url: str, proc, timeout: float = 300.0) -> None:
+  import urllib.request
+  end = time.time() + timeout
+  while time.time() < end:
+    if proc.poll() is not None:
+      raise RuntimeError(f"the peer server exited with code {proc.returncode}")
+    try:
+      urllib.request.urlopen(url, timeout=2)
+      return
+    except OSError:
+      time.sleep(1)
+  raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
+
+
+def _plot(results, rates, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+  for name in dict.fromkeys(k[0] for k in results):
+    xs = [r for r in rates if (name, r) in results]
+    for ax, m in zip(axes, ("ttft_p50", "ttft_p99", "throughput")):
+      ax.plot(xs, [results[(name, r)][m] for r in xs], marker="o", label=name)
+  for ax, title in zip(axes, ("TTFT p50 (s)", "TTFT p99 (s)", "throughput (tokens/s)")):
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  from experiments._cli import main
+  sys.exit(main(NAME))
