@@ -285,7 +285,7 @@ def jit_prefill(graphdef, state, tokens, lengths, cache, with_hidden):
   return prefill(nnx.merge(graphdef, state), tokens, lengths, cache, with_hidden)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(4,))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))  # no donation: the cache comes back G times larger
 def jit_prefill_embeds(graphdef, state, embeds, lengths, cache, group, with_hidden=False):
   """Prefill from input embeddings ``[n, T, embed]`` once per prompt, then the cache, logits and
   hidden states repeated to ``n * group`` rows (row ``i * group + j`` = rollout ``j`` of prompt
