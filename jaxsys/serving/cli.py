@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--reuse", type=int, default=4, help="decode steps a page selection is reused")
   p.add_argument("--sink", type=int, default=64)
   p.add_argument("--window", type=int, default=256)
+  p.add_argument("--prefill-sink", type=int, default=None, help="streaming heads' sink in prefill "
+                 "(default: --sink)")
+  p.add_argument("--prefill-window", type=int, default=None, help="streaming heads' local window in "
+                 "prefill (default: --window)")
   p.add_argument("--gates", help="streaming gates JSON (from identify_streaming_heads)")
   p.add_argument("--kv-int8", action="store_true", help="int8 KV pages with per-token scales")
   p.add_argument("--max-new-tokens", type=int, default=32)
@@ -132,7 +136,8 @@ def main(argv=None) -> int:
     dense = args.dense or (prompts is None and not args.lserve)
     ls = LServeConfig(dense=dense, page_size=args.page_size, logical_page_size=args.logical_page,
                       token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
-                      window=args.window, kv_int8=args.kv_int8)
+                      window=args.window, kv_int8=args.kv_int8, prefill_sink=args.prefill_sink,
+                      prefill_window=args.prefill_window)
     cfg = ServingConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
                        max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
                        else args.max_seq_len, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -36,7 +36,9 @@ class LServeConfig:
 
   ``token_budget`` must be a multiple of ``page_size``, ``page_size`` of ``logical_page_size``.
   ``streaming_fraction`` is the share of kv heads turned into streaming heads when gates are
-  learned; ``sink``/``window`` are in tokens.
+  learned; ``sink``/``window`` are in tokens. ``prefill_sink`` / ``prefill_window`` (None: the
+  same as decode) give streaming heads a different sink + local span during prefill, as
+  omniserve configures prefill and decode separately; the streaming pool keeps what decode reads.
   """
   dense: bool = False
   page_size: int = 64
@@ -48,6 +50,8 @@ class LServeConfig:
   streaming_fraction: float = 0.5
   kv_int8: bool = False
   impl: str = "auto"
+  prefill_sink: int | None = None
+  prefill_window: int | None = None
 
   def __post_init__(self):
     # SelectionConfig validates page/budget divisibility with errors naming the fields.
@@ -55,6 +59,10 @@ class LServeConfig:
     check_range("streaming_fraction", self.streaming_fraction, 0.0, 1.0)
     check_min(self, 1, "window")
     check_min(self, 0, "sink")
+    if self.prefill_sink is not None:
+      check_min(self, 0, "prefill_sink")
+    if self.prefill_window is not None:
+      check_min(self, 1, "prefill_window")
 
   @property
   def selection(self) -> ps.SelectionConfig | None:
@@ -72,7 +80,8 @@ class LServeConfig:
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
         page_size=self.page_size, logical_page_size=self.logical_page_size,
         max_requests=max_requests, sink=self.sink, window=self.window,
-        streaming=None if self.dense else streaming, dtype=dtype, kv_int8=self.kv_int8)
+        streaming=None if self.dense else streaming, dtype=dtype, kv_int8=self.kv_int8,
+        prefill_sink=self.prefill_sink, prefill_window=self.prefill_window)
 
 
 def check_selection(c: PagedCacheConfig, sel: ps.SelectionConfig | None):

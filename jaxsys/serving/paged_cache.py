@@ -64,6 +64,8 @@ class PagedCacheConfig:
   streaming: tuple[tuple[bool, ...], ...] | None = None
   dtype: str = "float32"
   kv_int8: bool = False
+  prefill_sink: int | None = None     # streaming heads' sink / local span in prefill (None: sink)
+  prefill_window: int | None = None   # (None: window)
 
   def __post_init__(self):
     check_min(self, 1, "num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
@@ -78,6 +80,12 @@ class PagedCacheConfig:
       object.__setattr__(self, "streaming", tuple(tuple(bool(x) for x in row) for row in s))
     if self.kv_int8 and self.dtype not in ("float32", "bfloat16"):
       raise ConfigError(f"kv_int8 dequantises to float32/bfloat16, got dtype={self.dtype!r}")
+
+  @property
+  def prefill_span(self) -> tuple[int, int]:
+    """``(sink, window)`` of streaming heads during prefill."""
+    return (self.sink if self.prefill_sink is None else self.prefill_sink,
+            self.window if self.prefill_window is None else self.prefill_window)
 
   @property
   def sink_pages(self) -> int:

@@ -45,7 +45,8 @@ def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
   if not flags.any():
     return dense
   g = num_heads // c.num_kv_heads
-  stream = masks.Sink(c.sink) | masks.Local(c.window)
+  sink, window = c.prefill_span
+  stream = masks.Sink(sink) | masks.Local(window)
   return masks.MultiHead([stream if flags[h // g] else dense for h in range(num_heads)])
 
 

@@ -104,3 +104,25 @@ def test_cache_and_selection_come_from_one_lserve_config():
                             max_requests=2, streaming=((False, True),)).streaming is None
   with pytest.raises(ConfigError, match="differ from the cache's page_size=8"):
     lserve.check_selection(c, SelectionConfig(token_budget=32, page_size=16, logical_page_size=4))
+
+
+def test_prefill_sink_and_window_apart_from_decode():
+  """Streaming heads may use a different sink / local span in prefill than in decode (omniserve):
+  a prefill window covering the prompt makes prefill exactly causal for every head."""
+  from jaxsys.serving.prefill import hybrid_attention
+  base = dict(num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=12, page_size=8, logical_page_size=4,
+              max_requests=1, sink=4, window=10, streaming=((True, False),))
+  wide, narrow = pc.PagedCacheConfig(**base, prefill_sink=0, prefill_window=64), pc.PagedCacheConfig(**base)
+  assert wide.prefill_span == (0, 64) and narrow.prefill_span == (4, 10)
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((1, 45, HEADS, D)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((1, 45, HK, D)), jnp.float32) for _ in range(2))
+  dense = attention(q, k, v, mask=masks.Causal(), impl="xla")
+  run = lambda c: hybrid_attention(c, 0, q, k, v, q_offset=0, kv_lengths=jnp.asarray([45]), impl="xla")  # noqa: E731
+  np.testing.assert_allclose(run(wide), dense, atol=1e-5)
+  assert not np.allclose(run(narrow)[:, :, :2], dense[:, :, :2], atol=1e-3)  # query heads of kv head 0
+  cfg = lserve.LServeConfig(prefill_sink=8, prefill_window=512).cache_config(
+      num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=8, max_requests=1)
+  assert cfg.prefill_span == (8, 512) and (cfg.sink, cfg.window) == (64, 256)
+  with pytest.raises(ConfigError, match="prefill_window"):
+    lserve.LServeConfig(prefill_window=0)
