@@ -73,7 +73,7 @@ IMPL = {"impl": "auto"}  # per-block attention backend; see _pick_impl
 
 def _pick_impl():
   """Uses impl="auto" unless it fails inside shard_map here; then the reference (recorded)."""
-  p = max(r * u for _, (r, u) in SETUPS.items())
+  p = max(r * u for _, (r, u) in SETUPS.values())
   q = jnp.ones((1, 4 * p, max(8, p), 8))
   try:
     for strategy, shape in {v[0]: v[1] for v in SETUPS.values() if v[0] in ("hybrid", "ulysses")}.items():

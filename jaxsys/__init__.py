@@ -10,9 +10,10 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = (
-    "core", "ops", "parallel", "nn", "models", "serving", "speculative", "rl",
-    "graphs", "quant", "cluster", "data", "eval", "train",
+    "core", "ops", "parallel", "nn", "models", "decoding", "serving", "speculative", "rl",
+    "graphs", "quant", "cluster", "data", "eval", "train", "experiments",
 )
+__all__ = ["__version__", *_SUBMODULES]
 
 
 def __getattr__(name):

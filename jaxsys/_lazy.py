@@ -1,18 +1,27 @@
 """Lazy re-exports: a package lists ``name -> submodule`` and imports on first use."""
 
 import importlib
+import sys
 
 
 def lazy_exports(package: str, table: dict[str, str]):
   """Returns ``(__getattr__, __dir__)`` for a package exporting ``table`` lazily.
 
-  ``table`` maps an exported name to the submodule (relative to ``package``) defining it.
+  ``table`` maps an exported name to the submodule (relative to ``package``) defining it. The
+  package's ``__all__`` becomes the sorted exported names (unless it sets its own), so
+  ``from package import *`` gives the API, not submodule names.
   """
+  module = sys.modules.get(package)
+  if module is not None and "__all__" not in vars(module):
+    module.__all__ = sorted(table)
 
   def __getattr__(name):
     if name in table:
-      module = importlib.import_module(f"{package}.{table[name]}")
-      return getattr(module, name)
+      value = getattr(importlib.import_module(f"{package}.{table[name]}"), name)
+      # cached in the package: later lookups skip __getattr__, and tools that read the
+      # package's __dict__ (pdoc) find the resolved object
+      setattr(sys.modules[package], name, value)
+      return value
     try:
       return importlib.import_module(f"{package}.{name}")
     except ModuleNotFoundError as e:

@@ -58,18 +58,20 @@ def test_reproduce_is_not_shadowed_by_a_local_experiments_package(tmp_path, monk
   (tmp_path / "experiments").mkdir()
   (tmp_path / "experiments" / "__init__.py").write_text("raise ImportError('the user package')\n")
   monkeypatch.chdir(tmp_path)
-  calls, real_run = [], subprocess.run
+  calls, real_run, real_popen = [], subprocess.run, subprocess.Popen
 
-  def fake_run(cmd, **kwargs):
+  def fake_popen(cmd, **kwargs):
+    if "-m" not in cmd:  # the probe below, through subprocess.run
+      return real_popen(cmd, **kwargs)
     calls.append(cmd)
     probe = [cmd[0], *cmd[1:cmd.index("-m")], "-c",
              "import experiments.cluster as m, sys; sys.stdout.write(m.__file__)"]
     found = real_run(probe, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert found.returncode == 0, found.stderr
     assert Path(found.stdout).resolve() == ROOT / "experiments" / "cluster.py"
-    return types.SimpleNamespace(returncode=1)
+    return types.SimpleNamespace(returncode=1, wait=lambda timeout=None: 1, kill=lambda: None)
 
-  monkeypatch.setattr(cli.subprocess, "run", fake_run)
+  monkeypatch.setattr(cli.subprocess, "Popen", fake_popen)
   cli.main(["reproduce", "--only", "cluster", "--quick", "--out", str(tmp_path / "runs")])
   assert len(calls) == 1 and calls[0][-3:] == ["--out", str(tmp_path / "runs"), "--quick"]
 
