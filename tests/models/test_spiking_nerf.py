@@ -83,7 +83,7 @@ def test_bad_input():
     M.SpikingNeRFConfig(neuron="tanh")
   with pytest.raises(ConfigError, match="must be < hi"):
     M.SpikingNeRFConfig(box=Box((1, 0, 0), (0, 1, 1)))
-  m = _model("relu")
+  m = M.SpikingNeRF(M.SpikingNeRFConfig(resolution=2, width=2, neuron="relu"), rngs=nnx.Rngs(0))
   with pytest.raises(InputError, match="ray batch sizes differ"):
     M.render(m, jnp.zeros((4, 3)), jnp.ones((3, 3)), mode="dense")
   with pytest.raises(ConfigError, match="needs max_len"):
