@@ -38,6 +38,7 @@ from jaxsys.models.date import DATE, DATEConfig, make_detect_fn, predict_dataset
 
 NAME = "date"
 NMS_IOU = 0.6
+VARIANTS = ("dual", "o2o")
 THRESHOLD_FRACTION = 0.8  # the fixed AP = this x the lower mean final AP of the two variants
 
 
@@ -87,6 +88,49 @@ def _plot(curves, level, path):
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def accuracy_rows(curves: dict, finals: dict, n: int):
+  """Rows 1-2 (steps to the fixed AP, final AP, NMS-free AP, duplicates) from the AP curves and
+  final evaluations of each variant; returns ``(rows, level, steps_at_other_levels)``."""
+  rows: list[Row] = []
+  mean = lambda v, key, m="AP": float(np.mean([r[key][m] for r in finals[v]]))  # noqa: E731
+  fin = {v: mean(v, "o2o_AP") for v in VARIANTS}
+  level = THRESHOLD_FRACTION * min(fin.values())
+  stp = {v: [steps_to(c, level) for c in curves[v]] for v in VARIANTS}
+  ms = {v: float(np.mean(stp[v])) for v in VARIANTS}
+  ratio = ms["dual"] / ms["o2o"] if np.isfinite(ms["o2o"]) and ms["o2o"] > 0 else float("nan")
+  rows.append(Row(metric=f"steps to one-to-one AP {100 * level:.1f} (mean of {n} seeds)",
+                  unit="steps (ratio = dual/o2o-only)", baseline_name="one-to-one only",
+                  baseline=ms["o2o"], ours=ms["dual"], ratio=ratio, goal="<= 0.7",
+                  note=f"fixed AP = {THRESHOLD_FRACTION} x the lower mean final AP; per seed "
+                       f"o2o-only {_fmt(stp['o2o'])}, dual {_fmt(stp['dual'])}"))
+  extra_levels = {}
+  for frac in (0.5, 0.7, 0.9):
+    lv = frac * min(fin.values())
+    extra_levels[f"{frac}"] = {v: [steps_to(c, lv) for c in curves[v]] for v in VARIANTS}
+  rows.append(Row(metric=f"final one-to-one AP@[.5:.95], no NMS (mean of {n} seeds)",
+                  unit="AP (ratio = dual - o2o-only, AP points)", baseline_name="one-to-one only",
+                  baseline=fin["o2o"], ours=fin["dual"], ratio=100 * (fin["dual"] - fin["o2o"]),
+                  goal=">= 0", note=f"AP50 {mean('o2o', 'o2o_AP', 'AP50'):.3f} -> "
+                                    f"{mean('dual', 'o2o_AP', 'AP50'):.3f}"))
+  for v, label in (("dual", "dual-trained"), ("o2o", "one-to-one-only")):
+    nms_ap = mean(v, "o2o_nms_AP")
+    rows.append(Row(metric=f"{label} one-to-one AP: no NMS vs NMS@{NMS_IOU}",
+                    unit="AP (ratio = |no NMS - NMS|, AP points)", baseline_name="with NMS",
+                    baseline=nms_ap, ours=fin[v], ratio=100 * abs(fin[v] - nms_ap),
+                    goal="<= 1" if v == "dual" else None))
+  o2m, o2m_nms = mean("dual", "o2m_AP"), mean("dual", "o2m_nms_AP")
+  dup = {key: float(np.mean([r[key] for r in finals["dual"]])) for key in ("o2m_dup", "o2m_nms_dup", "o2o_dup")}
+  rows.append(Row(metric="one-to-many (FCOS) branch AP: no NMS vs NMS", unit="AP (ratio = no NMS / NMS)",
+                  baseline_name="with NMS", baseline=o2m_nms, ours=o2m, ratio=o2m / max(o2m_nms, 1e-9),
+                  note="the collapse from duplicates without NMS"))
+  rows.append(Row(metric="duplicate rate without NMS (score >= 0.3): one-to-one vs one-to-many",
+                  unit="fraction of detections (ratio = o2m / o2o)", baseline_name="one-to-many, no NMS",
+                  baseline=dup["o2m_dup"], ours=dup["o2o_dup"],
+                  ratio=dup["o2m_dup"] / max(dup["o2o_dup"], 1e-9),
+                  note=f"one-to-many with NMS: {dup['o2m_nms_dup']:.3f}"))
+  return rows, level, extra_levels
 
 
 def run(quick: bool, out_dir: str) -> list[Row]:
@@ -147,44 +191,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
       print(f"[date] seed {seed} {variant}: final o2o AP {res['o2o_AP']['AP']:.3f} "
             f"({res['train_s']}s)", flush=True)
 
-  rows: list[Row] = []
-  n = len(st["seeds"])
-  mean = lambda v, key, m="AP": float(np.mean([r[key][m] for r in finals[v]]))  # noqa: E731
-  fin = {v: mean(v, "o2o_AP") for v in cfgs}
-  level = THRESHOLD_FRACTION * min(fin.values())
-  stp = {v: [steps_to(c, level) for c in curves[v]] for v in cfgs}
-  ms = {v: float(np.mean(stp[v])) for v in cfgs}
-  ratio = ms["dual"] / ms["o2o"] if np.isfinite(ms["o2o"]) and ms["o2o"] > 0 else float("nan")
-  rows.append(Row(metric=f"steps to one-to-one AP {100 * level:.1f} (mean of {n} seeds)",
-                  unit="steps (ratio = dual/o2o-only)", baseline_name="one-to-one only",
-                  baseline=ms["o2o"], ours=ms["dual"], ratio=ratio, goal="<= 0.7",
-                  note=f"fixed AP = {THRESHOLD_FRACTION} x the lower mean final AP; per seed "
-                       f"o2o-only {_fmt(stp['o2o'])}, dual {_fmt(stp['dual'])}"))
-  extra_levels = {}
-  for frac in (0.5, 0.7, 0.9):
-    lv = frac * min(fin.values())
-    extra_levels[f"{frac}"] = {v: [steps_to(c, lv) for c in curves[v]] for v in cfgs}
-  rows.append(Row(metric=f"final one-to-one AP@[.5:.95], no NMS (mean of {n} seeds)",
-                  unit="AP (ratio = dual - o2o-only, AP points)", baseline_name="one-to-one only",
-                  baseline=fin["o2o"], ours=fin["dual"], ratio=100 * (fin["dual"] - fin["o2o"]),
-                  goal=">= 0", note=f"AP50 {mean('o2o', 'o2o_AP', 'AP50'):.3f} -> "
-                                    f"{mean('dual', 'o2o_AP', 'AP50'):.3f}"))
-  for v, label in (("dual", "dual-trained"), ("o2o", "one-to-one-only")):
-    nms_ap = mean(v, "o2o_nms_AP")
-    rows.append(Row(metric=f"{label} one-to-one AP: no NMS vs NMS@{NMS_IOU}",
-                    unit="AP (ratio = |no NMS - NMS|, AP points)", baseline_name="with NMS",
-                    baseline=nms_ap, ours=fin[v], ratio=100 * abs(fin[v] - nms_ap),
-                    goal="<= 1" if v == "dual" else None))
-  o2m, o2m_nms = mean("dual", "o2m_AP"), mean("dual", "o2m_nms_AP")
-  dup = {key: float(np.mean([r[key] for r in finals["dual"]])) for key in ("o2m_dup", "o2m_nms_dup", "o2o_dup")}
-  rows.append(Row(metric="one-to-many (FCOS) branch AP: no NMS vs NMS", unit="AP (ratio = no NMS / NMS)",
-                  baseline_name="with NMS", baseline=o2m_nms, ours=o2m, ratio=o2m / max(o2m_nms, 1e-9),
-                  note="the collapse from duplicates without NMS"))
-  rows.append(Row(metric="duplicate rate without NMS (score >= 0.3): one-to-one vs one-to-many",
-                  unit="fraction of detections (ratio = o2m / o2o)", baseline_name="one-to-many, no NMS",
-                  baseline=dup["o2m_dup"], ours=dup["o2o_dup"],
-                  ratio=dup["o2m_dup"] / max(dup["o2o_dup"], 1e-9),
-                  note=f"one-to-many with NMS: {dup['o2m_nms_dup']:.3f}"))
+  rows, level, extra_levels = accuracy_rows(curves, finals, len(st["seeds"]))
   # 3. inference time: the same one-to-one graph, interleaved on one batch
   x = ev.images[:32]
   fns = {v: (detect[v]["o2o"], (*last[v], x)) for v in cfgs}
