@@ -46,8 +46,8 @@ def _settings(quick: bool) -> dict:
   if quick:
     return {"seeds": [0, 1], "steps": 150, "eval_every": 25, "train_images": 1024,
             "eval_images": 128, "batch_size": 16, "learning_rate": 2e-3, "warmup_steps": 30}
-  return {"seeds": [0, 1, 2], "steps": 1200, "eval_every": 60, "train_images": 4096,
-          "eval_images": 256, "batch_size": 16, "learning_rate": 2e-3, "warmup_steps": 100}
+  return {"seeds": [0, 1, 2], "steps": 400, "eval_every": 40, "train_images": 4096,
+          "eval_images": 128, "batch_size": 16, "learning_rate": 2e-3, "warmup_steps": 60}
 
 
 def steps_to(curve, level: float) -> float:
