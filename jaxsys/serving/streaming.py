@@ -133,12 +133,14 @@ def gated_hidden(model, tokens, alpha, *, sink: int, window: int, impl: str = "a
 def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
                              sparsity: float = 0.5, steps: int = 100, lr: float = 0.05,
                              l1: float = 0.05, batch_size: int = 4, seed: int = 0,
-                             impl: str = "auto") -> StreamingGates:
+                             impl: str = "auto", progress: bool = True) -> StreamingGates:
   """Learns gates by distillation on ``data = (tokens int[n, T], answer_mask bool[n, T])``.
 
   The model stays frozen; only the ``[layers, kv_heads]`` gates train (Adam, clipped to
-  [0, 1] after each step, initialised at 1 = full attention).
+  [0, 1] after each step, initialised at 1 = full attention). ``progress``: a tqdm bar on
+  stderr with the distillation loss.
   """
+  from tqdm.auto import tqdm
   tokens, answer = (np.asarray(x) for x in data)
   if tokens.ndim != 2 or answer.shape != tokens.shape:
     raise ShapeError(f"data must be (tokens int[n, T], answer_mask bool[n, T]), got "
@@ -155,12 +157,14 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
   opt_state = opt.init(alpha)
   rng = np.random.default_rng(seed)
   history = []
-  for step in range(steps):
+  bar = tqdm(range(steps), desc="streaming gates", disable=not progress, leave=False, dynamic_ncols=True)
+  for step in bar:
     idx = rng.choice(len(tokens), size=min(batch_size, len(tokens)), replace=False)
     tok, ans = jnp.asarray(tokens[idx], jnp.int32), jnp.asarray(answer[idx])
     alpha, opt_state, loss = _gate_step(graphdef, params, alpha, opt_state, tok, ans, opt,
                                         sink, window, l1, impl)
     history.append(float(loss))
+    bar.set_postfix(loss=f"{history[-1]:.4g}", refresh=False)
   return StreamingGates.from_alpha(np.asarray(alpha), sink=sink, window=window,
                                    sparsity=sparsity, history=history)
 
