@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "core", "ops", "parallel", "nn", "models", "decoding", "serving", "speculative", "rl",
-    "graphs", "quant", "cluster", "data", "eval", "train", "experiments",
+    "graphs", "quant", "cluster", "data", "eval", "vision", "nerf", "train", "experiments",
 )
 __all__ = ["__version__", *_SUBMODULES]
 

@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+__all__ = [
+    "add_forwarded", "build_api_docs", "build_parser", "format_table", "main", "REGISTRARS", "version",
+]
+
 
 def version() -> str:
   """The installed distribution's version, or the source tree's ``jaxsys.__version__``."""

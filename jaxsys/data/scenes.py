@@ -23,6 +23,11 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError
 
+__all__ = [
+    "Cuboid", "hemisphere_cameras", "look_at", "make_scene", "render_dataset", "render_views", "Scene",
+    "Sphere", "trace", "Views",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Sphere:

@@ -28,6 +28,8 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, check_min, check_positive, check_range
 
+__all__ = ["CLASSES", "make_shapes", "Shapes", "ShapesConfig"]
+
 CLASSES = ("rectangle", "ellipse", "triangle", "cross", "ring")
 
 

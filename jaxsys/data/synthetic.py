@@ -34,6 +34,11 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "detokenize", "Example", "examples", "make_example", "PASSKEY_FILLER", "passkey_text", "reward",
+    "save_tokenizer", "TASKS", "token_names", "training_batch", "Vocab", "VOCAB",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:

@@ -26,6 +26,11 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "ANSWER_LEN", "haystack_frames", "layout_row", "make_frames", "mark_frame", "PROMPT_LEN",
+    "QUESTION_LEN", "seq_len_for", "video_qa_batch", "VideoSpec", "VOCAB_SIZE",
+]
+
 # Vocabulary: digits 0..9 for codes, then specials.
 PAD, BOS, EOS, FRAME, Q, ASK = 10, 11, 12, 13, 14, 15
 VOCAB_SIZE = 16

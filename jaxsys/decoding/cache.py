@@ -44,6 +44,8 @@ import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError, ShapeError
 
+__all__ = ["DECODE_MAX_Q", "KVCache", "Prefill", "replace_at", "TreeCache", "write_rows"]
+
 #: Queries per row up to which a cached call uses ``jaxsys.nn.attention.decode_attention``
 #: (decode steps, draft verification); longer calls (chunked prefill) go through the layer's
 #: attention hook, which skips blocks by the mask's layout.

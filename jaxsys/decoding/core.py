@@ -40,6 +40,12 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.decoding.cache import KVCache, Prefill
 from jaxsys.decoding.sampling import sample_logits
 
+__all__ = [
+    "bucket", "bucket_of", "check_fits", "check_prompts", "context_length", "decode_loop",
+    "describe_context", "emit", "jit_decode_loop", "jit_prefill", "jit_prefill_embeds", "jit_step",
+    "pad_batch", "prefill", "prefill_hidden", "step", "streaming", "while_running",
+]
+
 # ---- requests --------------------------------------------------------------------------------
 
 

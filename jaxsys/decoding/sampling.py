@@ -29,6 +29,11 @@ import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "filtered_logits", "GREEDY", "sample", "sample_logits", "sample_probs", "sample_rows",
+    "SamplingParams", "target_probs", "token_logprobs",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:

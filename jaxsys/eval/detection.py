@@ -27,6 +27,8 @@ import numpy as np
 from jaxsys.core.errors import InputError
 from jaxsys.vision.boxes import check_boxes
 
+__all__ = ["coco_ap", "duplicate_rate", "from_batch", "IOU_THRESHOLDS", "pycocotools_ap", "RECALL_POINTS"]
+
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)
 RECALL_POINTS = np.linspace(0.0, 1.0, 101)
 

@@ -23,6 +23,8 @@ from jaxsys.data import video
 from jaxsys.parallel import api
 from jaxsys.parallel import zigzag as zz
 
+__all__ = ["answer_greedy", "Grid", "plot_heatmap", "seq_bucket", "vniah_grid"]
+
 
 @dataclasses.dataclass
 class Grid:

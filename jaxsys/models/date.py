@@ -35,6 +35,12 @@ from jaxsys.vision import assign as A
 from jaxsys.vision.boxes import nms
 from jaxsys.vision.losses import one_to_many_loss, one_to_one_loss
 
+__all__ = [
+    "ConvGNReLU", "DATE", "date_loss", "DATEConfig", "DATEHead", "decode_ltrb", "DetectionBackbone",
+    "DetectionFPN", "make_date_train_step", "make_detect_fn", "predict_dataset", "select_detections",
+    "STRIDES", "train_detector",
+]
+
 STRIDES = (4, 8, 16)  # FPN levels P2-P4 of the small backbone (the paper: P3-P7 of ResNet-50)
 
 

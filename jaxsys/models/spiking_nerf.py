@@ -46,6 +46,12 @@ from jaxsys.nerf.rays import check_rays, num_samples_for, sample_rays, view_enco
 from jaxsys.nerf.render import alpha_weights, composite
 from jaxsys.nn.spiking import LIFConfig, SpikingLinear, spike_count
 
+__all__ = [
+    "coarse_mask", "CoarseGrids", "ColorMLP", "fit", "init_from_coarse", "lattice_alpha", "make_optimizer",
+    "MODES", "NEURONS", "OccupancyMask", "render", "render_views", "renderer", "RenderOut", "sample_mask",
+    "SpikingNeRF", "SpikingNeRFConfig", "ViewStats",
+]
+
 NEURONS = ("lif", "plif", "relu")
 MODES = ("tp", "tcp", "dense")
 

@@ -33,6 +33,11 @@ from jaxsys.core.errors import ShapeError, check_divisible, check_min
 from jaxsys.models.decoder import Decoder, DecoderConfig
 from jaxsys.ops import attention
 
+__all__ = [
+    "FrameEncoder", "Projector", "rebuild", "VisionBlock", "VLM", "vlm_loss", "VLMConfig",
+    "with_rope_theta",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class VLMConfig:

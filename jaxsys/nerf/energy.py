@@ -23,6 +23,8 @@ import dataclasses
 
 from jaxsys.core.errors import InputError
 
+__all__ = ["ann_ops", "E_AC_PJ", "E_MAC_PJ", "energy_pj", "OpCounts", "snn_ops"]
+
 E_MAC_PJ = 4.6
 E_AC_PJ = 0.9
 

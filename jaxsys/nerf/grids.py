@@ -28,6 +28,11 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
 
+__all__ = [
+    "Box", "check_points", "density_shift", "density_to_alpha", "lattice_points", "nearest",
+    "occupancy_mask", "trilinear", "VoxelGrid",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Box:

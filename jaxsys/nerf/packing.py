@@ -18,6 +18,8 @@ import numpy as np
 from jaxsys.core.errors import InputError
 from jaxsys.ops.tcp import MODES, PackIndex, gather, pack, pack_sizes, scatter  # noqa: F401
 
+__all__ = ["bucket", "density", "gather", "MODES", "pack", "pack_sizes", "PackIndex", "plan", "scatter"]
+
 
 def bucket(n: int, *, minimum: int = 1) -> int:
   """The power of two ``>= max(n, minimum)``."""

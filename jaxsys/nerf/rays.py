@@ -23,6 +23,11 @@ import jax.numpy as jnp
 from jaxsys.core.errors import InputError, ShapeError
 from jaxsys.nerf.grids import Box
 
+__all__ = [
+    "camera_rays", "check_rays", "num_samples_for", "ray_box", "RaySamples", "sample_rays",
+    "view_encoding",
+]
+
 
 def camera_rays(c2w, height: int, width: int, focal: float):
   """World-space ray origins and unit directions ``[H, W, 3]`` of a pinhole camera.

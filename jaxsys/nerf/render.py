@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from jaxsys.core.errors import ShapeError
 
+__all__ = ["alpha_weights", "composite", "psnr", "ssim"]
+
 
 def alpha_weights(alpha):
   """``alpha [..., S] -> (weights [..., S], T_last [...])`` (exclusive cumulative product)."""

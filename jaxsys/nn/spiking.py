@@ -33,6 +33,11 @@ from flax import nnx
 
 from jaxsys.core.errors import ShapeError, check_positive
 
+__all__ = [
+    "LIF", "lif_scan", "LIFConfig", "spike", "spike_count", "SpikingLinear", "SURROGATE_ALPHA",
+    "surrogate_grad",
+]
+
 
 @jax.custom_vjp
 def spike(x):

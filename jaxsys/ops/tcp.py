@@ -40,6 +40,11 @@ import numpy as np
 from jaxsys.core.dispatch import Dispatcher
 from jaxsys.core.errors import InputError, ShapeError
 
+__all__ = [
+    "check_fits", "gather", "MODES", "pack", "pack_sizes", "PackIndex", "scatter", "TCP", "tcp_pack",
+    "tp_pack",
+]
+
 MODES = ("tp", "tcp")
 
 

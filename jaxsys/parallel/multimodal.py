@@ -36,6 +36,8 @@ from jaxsys.core.mesh import place, program_mesh
 from jaxsys.parallel import zigzag as zz
 from jaxsys.parallel.api import SPPlan, _axis
 
+__all__ = ["frames_spec", "prepare_mm_batch", "reshard_maps", "reshard_to_llm", "shard_frames"]
+
 
 def _bucket(n: int) -> int:
   return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

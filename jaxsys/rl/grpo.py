@@ -46,6 +46,11 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
 from jaxsys.rl import tasks as tasks_lib
 
+__all__ = [
+    "build_batch", "group_advantages", "grpo_loss", "GRPOConfig", "GRPOTrainer", "LOSS_AGGS",
+    "policy_objective", "token_logprobs",
+]
+
 LOSS_AGGS = ("seq-mean", "token-mean")
 
 

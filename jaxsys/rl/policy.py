@@ -24,6 +24,8 @@ from jaxsys.models.decoder import Decoder
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.train import make_train_step
 
+__all__ = ["cached_policy", "policy_config", "pretrain_policy"]
+
 
 def policy_config(hidden: int = 64, layers: int = 4) -> DecoderConfig:
   return DecoderConfig(vocab_size=tasks_lib.VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,

@@ -26,6 +26,11 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError
 
+__all__ = [
+    "add_example", "count_example", "LongTailMix", "NUM", "reward", "sft_batch", "TaskExample",
+    "TaskSampler", "VOCAB",
+]
+
 NUM = 64
 BOS, SEP, EOS, PLUS, EQ = 64, 65, 66, 67, 68
 VOCAB = 72

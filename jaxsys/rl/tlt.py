@@ -44,6 +44,8 @@ from jaxsys.speculative import online
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 from jaxsys.speculative.pool import ExecutablePool
 
+__all__ = ["drafter_seq_len", "make_tlt_trainer", "TLT", "TLTConfig"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TLTConfig:

@@ -53,6 +53,11 @@ from jaxsys.parallel import zigzag as zz
 from jaxsys.rl import grpo
 from jaxsys.rl import video_tasks as vt
 
+__all__ = [
+    "build_rows", "encode_videos", "LM_PARAMS", "MODES", "pretrain_video_policy", "RECIPE",
+    "response_logprobs", "RowLayout", "VideoGRPOConfig", "VideoGRPOTrainer",
+]
+
 MODES = ("recompute", "cached", "cached_sp")
 #: The trained parameters: the LM's (vision tower and projector are frozen during RL).
 LM_PARAMS = nnx.All(nnx.Param, nnx.PathContains("lm"))

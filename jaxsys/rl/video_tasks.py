@@ -28,6 +28,11 @@ import numpy as np
 from jaxsys.core.errors import ConfigError, check_min, check_one_of
 from jaxsys.data import video
 
+__all__ = [
+    "accuracy", "format_ok", "KINDS", "make_example", "prompt_len", "prompt_tokens", "reward",
+    "TASK_TOKEN", "TEXT_AFTER", "VideoExample", "VideoTaskSampler", "VOCAB",
+]
+
 NEEDLE, COUNT, ORDER = video.VOCAB_SIZE, video.VOCAB_SIZE + 1, video.VOCAB_SIZE + 2
 VOCAB = video.VOCAB_SIZE + 4  # digits, video specials, task tokens (one spare)
 KINDS = ("needle", "count", "order")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from jaxsys.core.errors import ConfigError, InputError
 
+__all__ = ["build_parser", "load_model", "main", "read_prompts"]
+
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxsys serve", description=__doc__.split("\n\n")[0])

@@ -63,6 +63,8 @@ from jaxsys.serving.prefill import check_model, prefill
 from jaxsys.serving.requests import RequestParams, StepOutput
 from jaxsys.serving.scheduler import Scheduler
 
+__all__ = ["ServingConfig", "ServingEngine", "ServingResult"]
+
 _ids = itertools.count()
 
 

@@ -54,6 +54,11 @@ from jaxsys.decoding.cache import KVCache
 from jaxsys.decoding.core import bucket, context_length, describe_context  # noqa: F401
 from jaxsys.decoding.sampling import GREEDY, SamplingParams
 
+__all__ = [
+    "bucket", "context_length", "decode_step", "default_stop_tokens", "describe_context", "encode_prompts",
+    "generate", "GenerationResult", "TRACE_COUNTS",
+]
+
 
 @dataclasses.dataclass
 class GenerationResult:

@@ -29,6 +29,10 @@ from jaxsys.ops.paged_attention import paged_decode_attention
 from jaxsys.serving import page_select as ps
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedState, stream_page_numbers
 
+__all__ = [
+    "check_selection", "decode_attention", "LServeConfig", "retrieval_attention", "streaming_attention",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class LServeConfig:

@@ -41,6 +41,8 @@ import uuid
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.serving.requests import RequestParams
 
+__all__ = ["APIError", "build_app", "EngineLoop", "serve", "ServerHandle", "start_server"]
+
 log = logging.getLogger("jaxsys.serving.server")
 
 _ACCEPTED, _DONE = "accepted", "done"

@@ -30,6 +30,11 @@ import jax.numpy as jnp
 from jaxsys.core.dispatch import Dispatcher, require_backend
 from jaxsys.core.errors import ShapeError, check_min, check_multiple
 
+__all__ = [
+    "all_pages", "MIN_PAGES", "page_scores", "PAGE_SCORES", "page_scores_xla", "physical_pages",
+    "select_pages", "SelectionConfig", "with_newest_page",
+]
+
 MIN_PAGES = 3
 
 

@@ -40,6 +40,12 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_multiple
 
+__all__ = [
+    "gather_contiguous", "init_state", "PageAllocator", "PagedCacheConfig", "PagedKVCache",
+    "PagedSequence", "PagedState", "PoolExhaustedError", "POOLS", "POOLS_SCALES", "quantize_int8",
+    "read_pages", "stream_page_numbers", "stream_slot", "write_tokens",
+]
+
 
 class PoolExhaustedError(InputError):
   """The page pool cannot hold a request (raised before anything is allocated)."""

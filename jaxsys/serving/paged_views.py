@@ -32,6 +32,8 @@ from jaxsys.decoding.cache import replace_at
 from jaxsys.serving import lserve as lserve_lib
 from jaxsys.serving.paged_cache import PagedCacheConfig, read_pages, write_tokens
 
+__all__ = ["PagedChunk", "PagedDecode", "PagedPrefill"]
+
 _static = dict(metadata=dict(static=True))
 
 

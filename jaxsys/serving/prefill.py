@@ -36,6 +36,8 @@ from jaxsys.ops import attention, masks
 from jaxsys.serving.paged_cache import PagedCacheConfig
 from jaxsys.serving.paged_views import PagedChunk, PagedPrefill
 
+__all__ = ["check_model", "hybrid_attention", "layer_mask", "prefill", "prefill_chunk"]
+
 
 def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
                retrieval_mask: masks.Mask | None = None) -> masks.Mask:

@@ -31,6 +31,8 @@ import numpy as np
 from jaxsys.core.errors import InputError
 from jaxsys.serving.paged_cache import PageAllocator, PoolExhaustedError
 
+__all__ = ["page_keys", "PrefixCachingAllocator"]
+
 
 def page_keys(tokens, page_size: int, start: int = 0, prev: bytes | None = None) -> list[bytes]:
   """Chained keys of the full pages ``start, start + 1, ...`` of ``tokens`` (``prev``: the key of

@@ -29,6 +29,8 @@ import numpy as np
 from jaxsys.core.errors import ConfigError
 from jaxsys.decoding.sampling import SamplingParams
 
+__all__ = ["MAX_TOP_LOGPROBS", "RequestParams", "SeqState", "StepOutput", "TextStream", "TokenLogprob"]
+
 #: ``top_logprobs`` upper bound (OpenAI's); the engine always computes this many alternatives.
 MAX_TOP_LOGPROBS = 20
 

@@ -50,6 +50,8 @@ from jaxsys.serving.prefix_cache import page_keys
 from jaxsys.serving.requests import (DECODE, FINISHED, MAX_TOP_LOGPROBS, PREFILL, WAITING, RequestParams,
                                      SeqState, StepOutput, TextStream, TokenLogprob)
 
+__all__ = ["Scheduler"]
+
 log = logging.getLogger("jaxsys.serving")
 
 

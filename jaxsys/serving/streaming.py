@@ -39,6 +39,8 @@ from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import attention, masks
 from jaxsys.train import apply_optax
 
+__all__ = ["gated_hidden", "GateMix", "identify_streaming_heads", "StreamingGates"]
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamingGates:

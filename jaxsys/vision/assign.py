@@ -34,6 +34,11 @@ import numpy as np
 from jaxsys.core.errors import ShapeError
 from jaxsys.vision.boxes import pairwise_iou
 
+__all__ = [
+    "anchor_points", "center_region_mask", "fcos_targets", "hungarian_match", "INF", "ltrb",
+    "one_to_one_targets", "poto_match", "poto_quality", "regress_ranges_for", "Targets",
+]
+
 INF = 1e8
 
 

@@ -19,6 +19,11 @@ import numpy as np
 
 from jaxsys.core.errors import InputError, ShapeError
 
+__all__ = [
+    "box_area", "check_boxes", "cxcywh_to_xyxy", "EPS", "giou", "iou", "nms", "pairwise_giou",
+    "pairwise_iou", "xyxy_to_cxcywh",
+]
+
 EPS = 1e-7
 
 

@@ -19,6 +19,8 @@ import optax
 from jaxsys.vision.assign import Targets
 from jaxsys.vision.boxes import giou, iou, xyxy_to_cxcywh
 
+__all__ = ["giou_loss", "iou_loss", "l1_loss", "one_to_many_loss", "one_to_one_loss", "sigmoid_focal_loss"]
+
 
 def sigmoid_focal_loss(logits, targets, *, alpha: float = 0.25, gamma: float = 2.0):
   """Focal loss (Lin et al. 2017, eq. 5) per element: ``logits``/``targets`` (0/1) ``[..., C]``.
