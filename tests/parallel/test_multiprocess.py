@@ -1,15 +1,16 @@
 """Ring attention across two local processes (jax.distributed, gloo CPU collectives)."""
 
-import os
-import socket
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from jaxsys.core.errors import ConfigError
-from jaxsys.parallel.distributed import detect_cluster, initialize_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _multiprocess import run_two_processes  # noqa: E402
+
+from jaxsys.core.errors import ConfigError  # noqa: E402
+from jaxsys.parallel.distributed import detect_cluster, initialize_distributed  # noqa: E402
 
 WORKER = textwrap.dedent("""
     import os, sys
@@ -42,34 +43,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_ring_attention_across_two_processes(tmp_path):
-  script = tmp_path / "worker.py"
-  script.write_text(WORKER)
-  port = _free_port()
-  procs = []
-  for pid in range(2):
-    env = dict(os.environ)
-    env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-                "JAXSYS_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAXSYS_NUM_PROCESSES": "2",
-                "JAXSYS_PROCESS_ID": str(pid)})
-    procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=150)[0])
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail("two-process ring attention timed out")
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
+  outs = run_two_processes(WORKER, tmp_path, timeout=150, what="ring attention")
   assert all("max_err" in o for o in outs)
 
 

@@ -1,12 +1,13 @@
 """A cached_sp video GRPO step across two local processes (jax.distributed, gloo CPU collectives)."""
 
-import os
-import socket
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _multiprocess import run_two_processes  # noqa: E402
 
 WORKER = textwrap.dedent("""
     import sys
@@ -34,34 +35,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_cached_sp_step_across_two_processes(tmp_path):
-  script = tmp_path / "worker.py"
-  script.write_text(WORKER)
-  port = _free_port()
-  procs = []
-  for pid in range(2):
-    env = dict(os.environ)
-    env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-                "JAXSYS_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAXSYS_NUM_PROCESSES": "2",
-                "JAXSYS_PROCESS_ID": str(pid)})
-    procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=240)[0])
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail("two-process cached_sp step timed out")
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
+  outs = run_two_processes(WORKER, tmp_path, timeout=240, what="cached_sp step")
   losses = [o.split("loss ")[1].split()[0] for o in outs]
   assert losses[0] == losses[1]  # one program: both processes see the same loss

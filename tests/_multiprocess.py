@@ -1,0 +1,42 @@
+"""Runs a worker script as two local ``jax.distributed`` processes (gloo CPU collectives, 2 devices
+each) and returns their outputs; shared by the multi-process tests."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_two_processes(worker: str, tmp_path, *, timeout: float, what: str) -> list[str]:
+  """Starts ``worker`` (Python source) as processes 0 and 1 of one job; fails the test with the
+  output tail if either exits non-zero, and kills both on ``timeout``."""
+  script = tmp_path / "worker.py"
+  script.write_text(worker)
+  port = free_port()
+  procs = []
+  for pid in range(2):
+    env = dict(os.environ)
+    env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+                "JAXSYS_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAXSYS_NUM_PROCESSES": "2",
+                "JAXSYS_PROCESS_ID": str(pid)})
+    procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=timeout)[0])
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail(f"two-process {what} timed out")
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs
