@@ -4,16 +4,18 @@ import importlib
 import sys
 
 
-def lazy_exports(package: str, table: dict[str, str]):
+def lazy_exports(package: str, table: dict[str, str], also=()):
   """Returns ``(__getattr__, __dir__)`` for a package exporting ``table`` lazily.
 
-  ``table`` maps an exported name to the submodule (relative to ``package``) defining it. The
-  package's ``__all__`` becomes the sorted exported names (unless it sets its own), so
-  ``from package import *`` gives the API, not submodule names.
+  ``table`` maps an exported name to the submodule (relative to ``package``) defining it;
+  ``also`` names what the package imports eagerly and exports too. The package's ``__all__``
+  becomes the sorted exported names (unless it sets its own), so ``from package import *`` gives
+  the API, not submodule names.
   """
+  exported = sorted({*table, *also})
   module = sys.modules.get(package)
   if module is not None and "__all__" not in vars(module):
-    module.__all__ = sorted(table)
+    module.__all__ = exported
 
   def __getattr__(name):
     if name in table:
@@ -30,6 +32,6 @@ def lazy_exports(package: str, table: dict[str, str]):
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
   def __dir__():
-    return sorted(table)
+    return exported
 
   return __getattr__, __dir__

@@ -20,11 +20,9 @@ _getattr, __dir__ = lazy_exports(__name__, {
     "checked": "ids",
     "tcp_pack": "tcp",
     "tp_pack": "tcp",
-})
+}, also=("masks",))
 
 from jaxsys.ops import masks  # noqa: E402, F401  (the mask vocabulary, used with every op)
-
-__all__ = [*__all__, "masks"]  # noqa: F405, F821  (set by lazy_exports)
 
 
 def __getattr__(name):

@@ -45,6 +45,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
 from jaxsys.rl import tasks as tasks_lib
+from jaxsys.train import apply_optax
 
 __all__ = [
     "build_batch", "group_advantages", "grpo_loss", "GRPOConfig", "GRPOTrainer", "LOSS_AGGS",
@@ -213,8 +214,8 @@ class GRPOTrainer:
                        dual_clip=c.dual_clip, loss_agg=c.loss_agg)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
+    params, opt_state = apply_optax(self.tx, grads, opt_state, params)
+    return params, opt_state, dict(aux, loss=loss)
 
   def _width(self, longest: int) -> int:
     b = self.config.length_bucket

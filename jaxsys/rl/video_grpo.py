@@ -52,6 +52,7 @@ from jaxsys.decoding.cache import KVCache
 from jaxsys.parallel import zigzag as zz
 from jaxsys.rl import grpo
 from jaxsys.rl import video_tasks as vt
+from jaxsys.train import apply_optax
 
 __all__ = [
     "build_rows", "encode_videos", "LM_PARAMS", "MODES", "pretrain_video_policy", "RECIPE",
@@ -208,9 +209,9 @@ def _loss_grad_fn(prog, params, rest, src, prompt, rows, batch, adv, old, ref):
 
 def _update_fn(prog, params, rest, opt_state, src, prompt, rows, batch, adv, old, ref):
   (loss, aux), grads = _loss_grad_fn(prog, params, rest, src, prompt, rows, batch, adv, old, ref)
-  updates, opt_state = _optimizer(prog.config).update(grads, opt_state, params)
+  params, opt_state = apply_optax(_optimizer(prog.config), grads, opt_state, params)
   aux = {k: v for k, v in aux.items() if k != "logp"}
-  return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
+  return params, opt_state, dict(aux, loss=loss)
 
 
 _SP_TWINS: dict = {}  # (graphdef, mesh, strategy) -> (sharded graphdef, SPPlan)
