@@ -319,6 +319,11 @@ def train_detector(model: DATE, data, *, steps: int, batch_size: int, learning_r
   put = (lambda x: x)
   if mesh is not None:
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxsys.core.mesh import auto_mesh
+    mesh = auto_mesh(mesh)  # Explicit axes (jax.make_mesh's default) run on the Auto twin, as in train
+    if "data" not in mesh.axis_names:
+      raise ConfigError(f"mesh axes {mesh.axis_names} must include 'data' (the batch is split over it)")
     if batch_size % mesh.shape["data"]:
       raise ConfigError(f"batch_size={batch_size} must be divisible by the mesh's "
                         f"data axis ({mesh.shape['data']})")

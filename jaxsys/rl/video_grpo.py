@@ -46,6 +46,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_one_of, check_positive
+from jaxsys.core.mesh import auto_mesh
 from jaxsys.data import video
 from jaxsys.decoding import core
 from jaxsys.decoding.cache import KVCache
@@ -239,6 +240,10 @@ class VideoGRPOTrainer:
     if config.mode == "cached_sp":
       if mesh is None:
         raise ConfigError("mode='cached_sp' needs mesh= (a mesh with a 'ulysses' axis)")
+      # Explicit axes (jax.make_mesh's default) run on the Auto twin, as jaxsys.train does: the
+      # layers' sharding annotations are hints, and the response slice of a sequence-sharded
+      # activation has no explicit output sharding.
+      mesh = auto_mesh(mesh)
       key = (self.gdef, mesh, config.sp_strategy)
       if key not in _SP_TWINS:  # one sharded graphdef per structure and mesh (shared executables)
         sp = rebuild(model, mesh=mesh, strategy=config.sp_strategy)

@@ -102,3 +102,16 @@ def test_data_parallel_step_matches_single_device(trained, batch, devices):
   np.testing.assert_allclose(float(nxt[2]), float(nxt_ref[2]), rtol=2e-3)
   np.testing.assert_allclose(float(nxt[2]), losses[1], rtol=2e-3)
   assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(nxt[0]))  # replicated
+
+
+def test_train_detector_on_explicit_jax_make_mesh():
+  """Data parallelism on a ``jax.make_mesh`` mesh (Explicit axes, JAX's default)."""
+  from jaxsys.models.date import train_detector
+  data = make_shapes(ShapesConfig(image_size=32, num_classes=3, max_objects=3, min_size=6, max_size=16),
+                     seed=5, count=16)
+  mesh = jax.make_mesh((8,), ("data",))
+  m = DATE(DATEConfig(**TINY), rngs=nnx.Rngs(0))
+  *_, history = train_detector(m, data, steps=2, batch_size=8, warmup_steps=1, mesh=mesh)
+  assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+  with pytest.raises(ConfigError, match="must include 'data'"):
+    train_detector(m, data, steps=1, batch_size=8, mesh=jax.make_mesh((8,), ("ring",)))

@@ -113,3 +113,18 @@ def test_tasks_and_rewards():
   c = [x for x in exs if x.kind == "count"][0]
   marked = np.sum(np.abs(c.frames - vt.video.haystack_frames(SPEC, np.random.default_rng(1), 12)).sum((1, 2)) > 0)
   assert 1 <= c.answer[0] <= 9 and marked >= 1
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_cached_sp_on_jax_make_mesh(setup, kind):
+  """cached_sp on meshes from ``jax.make_mesh``: Explicit axes (JAX's default) and Auto ones."""
+  from jax.sharding import AxisType
+  model, ex = setup
+  types = {} if kind == "explicit" else {"axis_types": (AxisType.Auto,)}
+  mesh = jax.make_mesh((8,), ("ulysses",), **types)
+  sp = vg.VideoGRPOTrainer(model, vt.VideoTaskSampler(SPEC, n_frames=8, seed=0),
+                           vg.VideoGRPOConfig(mode="cached_sp"), mesh=mesh)
+  one = _trainer(model, "cached")
+  r1 = one.layout().response
+  np.testing.assert_allclose(np.asarray(sp.logprobs(ex, RESP))[:, :r1], np.asarray(one.logprobs(ex, RESP)),
+                             atol=1e-5)
