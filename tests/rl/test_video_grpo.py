@@ -128,3 +128,13 @@ def test_cached_sp_on_jax_make_mesh(setup, kind):
   r1 = one.layout().response
   np.testing.assert_allclose(np.asarray(sp.logprobs(ex, RESP))[:, :r1], np.asarray(one.logprobs(ex, RESP)),
                              atol=1e-5)
+
+
+def test_cached_sp_on_one_device(setup):
+  model, ex = setup
+  sp = vg.VideoGRPOTrainer(model, vt.VideoTaskSampler(SPEC, n_frames=8, seed=0),
+                           vg.VideoGRPOConfig(mode="cached_sp"), mesh=make_mesh({"ulysses": 1}, jax.devices()[:1]))
+  one = _trainer(model, "cached")
+  r1 = one.layout().response
+  np.testing.assert_allclose(np.asarray(sp.logprobs(ex, RESP))[:, :r1], np.asarray(one.logprobs(ex, RESP)),
+                             atol=1e-5)
