@@ -175,8 +175,11 @@ def draft(model, drafter, state: DecodeState, strategy: Strategy):
   ld = state.dlen + state.pend_n                              # = target length L
   state = state.replace(dlen=ld, pend_n=jnp.zeros_like(state.pend_n))
   # 2) depth 1: top-k children of the root.
-  logp = jax.nn.log_softmax(model.logits(g[:, None])[:, 0], axis=-1)  # [b, vocab]
+  # Draft logits over the drafter's vocabulary (all target tokens, or its reduced K set); top-k
+  # indices map back to target ids (``EagleDrafter.to_target``).
+  logp = jax.nn.log_softmax(drafter.draft_logits(model, g[:, None])[:, 0], axis=-1)  # [b, K]
   f_score, f_tok = jax.lax.top_k(logp, k)                             # [b, k]
+  f_tok = drafter.to_target(f_tok)
   cand_tok, cand_par, cand_score = [f_tok], [jnp.full((b, k), -1, jnp.int32)], [f_score]
   f_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
   f_feat = jnp.broadcast_to(g[:, None], (b, k, g.shape[-1]))
@@ -189,8 +192,9 @@ def draft(model, drafter, state: DecodeState, strategy: Strategy):
     anc = f_anc | jax.nn.one_hot(base + jnp.arange(k), scratch, dtype=bool)[None]
     pos = jnp.broadcast_to(ld[:, None] + d - 1, (b, k)).astype(jnp.int32)
     h, state = _drafter_block(model, drafter, state, f_tok, f_feat, pos, anc, ld, ld + base, ld)
-    lp = jax.nn.log_softmax(model.logits(h), axis=-1)      # [b, k, vocab]
+    lp = jax.nn.log_softmax(drafter.draft_logits(model, h), axis=-1)  # [b, k, K]
     c_score, c_tok = jax.lax.top_k(lp, k)                  # [b, k, k]
+    c_tok = drafter.to_target(c_tok)
     c_score = f_score[:, :, None] + c_score
     cand_tok.append(c_tok.reshape(b, k * k))
     cand_par.append(jnp.repeat(f_cand, k, axis=1))

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.models import DecoderConfig
 from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
+from jaxsys.models.drafter import (DrafterConfig, EagleDrafter, check_compatible, drafter_loss,
+                                   top_token_ids)
 from jaxsys.speculative import online
 
 CFG = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2)
@@ -112,3 +113,42 @@ def test_config_derives_the_block_from_the_target():
     DrafterConfig(target)
   with pytest.raises(ConfigError, match="smooth_l1_beta"):
     DrafterConfig.for_target(target, smooth_l1_beta=0.0)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own_head", "tied"])
+def test_reduced_draft_vocab_maps_back_to_target_ids(tied, tmp_path):
+  """draft_vocab=K: the K most frequent response tokens; draft logits are the target's logits at
+  those ids (gathered head rows), draft index i is target id draft_ids[i]; checkpoints keep them."""
+  import dataclasses
+  target = random_model(dataclasses.replace(CFG, tie_embeddings=tied), 0)
+  assert (target.lm_head is None) == tied
+  seqs = [np.array([9, 9, 3, 3, 3, 7, 1]), np.array([9, 5, 3, 7])]
+  ids = top_token_ids(seqs, 4, CFG.vocab_size, prompt_lengths=[2, 1])
+  # responses: [3, 3, 3, 7, 1] and [5, 3, 7] -> 3 (x4), 7 (x2), then 1 and 5 (ties: lower id)
+  np.testing.assert_array_equal(ids, [3, 7, 1, 5])
+  drafter = EagleDrafter(DrafterConfig.for_target(CFG, draft_vocab=4), rngs=nnx.Rngs(1))
+  drafter.set_draft_vocab(ids)
+  _, feats, _ = _data(target)
+  lg, full, back = nnx.jit(lambda d, t, f: (d.draft_logits(t, f), t.logits(f),
+                                            d.to_target(jnp.arange(4))))(drafter, target, feats)
+  assert lg.shape == feats.shape[:2] + (4,)
+  np.testing.assert_allclose(np.asarray(lg), np.asarray(full)[..., ids], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(back), ids)
+  online.save_drafter(tmp_path / "d", drafter)
+  np.testing.assert_array_equal(
+      np.asarray(online.load_drafter(tmp_path / "d", drafter.config).draft_ids[...]), ids)
+  # without a reduced vocabulary both are the identity on the full head
+  plain = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
+  np.testing.assert_allclose(np.asarray(plain.draft_logits(target, feats)), np.asarray(full))
+
+
+def test_reduced_draft_vocab_errors():
+  with pytest.raises(ConfigError, match="draft_vocab=33 must be in \\[1, 32\\]"):
+    DrafterConfig.for_target(CFG, draft_vocab=CFG.vocab_size + 1)
+  with pytest.raises(ConfigError, match="k=0 must be in"):
+    top_token_ids([np.arange(4)], 0, CFG.vocab_size)
+  drafter = EagleDrafter(DrafterConfig.for_target(CFG, draft_vocab=4), rngs=nnx.Rngs(1))
+  with pytest.raises(ConfigError, match="4 distinct token ids"):
+    drafter.set_draft_vocab([1, 1, 2, 3])
+  with pytest.raises(ConfigError, match="draft_vocab"):
+    EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1)).set_draft_vocab([1, 2, 3, 4])
