@@ -69,7 +69,7 @@ def test_k3_kl_term():
 def test_defaults_unchanged_and_config_checks():
   c = grpo.GRPOConfig()
   assert c.objective_kwargs() == dict(clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.02,
-                                      loss_agg="seq-mean")
+                                      loss_agg="seq-mean", norm_length=None)
   assert grpo.GRPOConfig(clip_low=0.2, clip_high=0.3).clip_range == (0.2, 0.3)
   with pytest.raises(ConfigError, match="dual_clip"):
     grpo.GRPOConfig(dual_clip=0.5)
