@@ -142,6 +142,8 @@ def _model_cached(seed, batch_size, dim, hidden, lr):
   import jax.numpy as jnp
   import optax
 
+  from jaxsys.train import apply_optax
+
   def init(key):
     k1, k2 = jax.random.split(key)
     return {"w1": jax.random.normal(k1, (cfg.dim, cfg.hidden)) / math.sqrt(cfg.dim),
@@ -168,8 +170,8 @@ def _model_cached(seed, batch_size, dim, hidden, lr):
     x, y = batch(step)
     x = x * poison  # poison = NaN injects a NaN loss; 1.0 otherwise
     loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-    upd, o = opt.update(g, o, p)
-    return optax.apply_updates(p, upd), o, loss
+    p, o = apply_optax(opt, g, o, p)
+    return p, o, loss
 
   return init, opt, step_fn
 
