@@ -2,6 +2,8 @@
 
 * ``grpo``: ``GRPOTrainer`` / ``GRPOConfig`` (group advantages, clipped surrogate, k3 KL).
 * ``tasks``: long-tailed ``count`` (retrieval) and ``add`` (arithmetic) tasks with rewards.
+* ``chat_tasks``: ``ChatTaskSampler``: long-tailed verifiable chat tasks for a real chat model
+  (count / list / repeat / sort N items, worked arithmetic) with a format reward.
 * ``policy``: config and supervised warm-up of the tiny policy used by experiments/tlt.py.
 * ``tlt``: ``make_tlt_trainer`` / ``TLTConfig``: TLT assembled (rollout engine + online drafter
   buffer, trainer and spot scheduling + GRPO), or its vanilla baseline.
@@ -18,4 +20,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "TLTConfig": "tlt", "TLT": "tlt", "make_tlt_trainer": "tlt",
     "VideoGRPOTrainer": "video_grpo", "VideoGRPOConfig": "video_grpo", "policy_objective": "grpo",
     "VideoTaskSampler": "video_tasks",
+    "ChatTaskSampler": "chat_tasks", "overlong_reward": "grpo",
 })
