@@ -9,6 +9,7 @@ core's (``jaxsys.decoding.sampling``); the target runs through ``Decoder.forward
 * ``forward``, ``decode``: tree-masked target/drafter passes over a contiguous KV cache,
   commit/rollback, and the prefill / vanilla / draft / verify steps.
 * ``bandit``: ``Strategy`` and the bucketed epsilon-greedy ``BucketedBandit``.
+  Also UCB1, median values and fastrl's BEG mode; ``BucketedBandit.fastrl()``, ``fastrl_strategies``.
 * ``pool``: ``ExecutablePool`` of ahead-of-time compiled executables; persistent compile cache.
 * ``engine``: ``RolloutEngine`` (speculation in the long tail, strategy bandit, bucketed batches).
 * ``online``: drafter buffer, trainer, background spot trainer and orbax checkpoints.
@@ -20,6 +21,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "Tree": "tree", "TreeMask": "tree", "select_tree": "tree", "ancestor_matrix": "tree",
     "accept_tree": "acceptance", "accept_batch": "acceptance",
     "Strategy": "bandit", "BucketedBandit": "bandit",
+    "fastrl_strategies": "bandit",
     "ExecutablePool": "pool", "enable_persistent_cache": "pool",
     "RolloutEngine": "engine", "RolloutConfig": "engine",
     "DrafterBuffer": "online", "DrafterTrainer": "online", "SpotTrainer": "online",
