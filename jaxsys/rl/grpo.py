@@ -11,22 +11,22 @@ The policy maximises the clipped surrogate with a k3 KL penalty to a frozen refe
 Options of :class:`GRPOConfig` (the defaults reproduce the formula above):
 
 * ``clip_low`` / ``clip_high``: asymmetric clipping ``clip(rho, 1 - clip_low, 1 + clip_high)``
-  (DAPO's clip-higher, Yu et al. 2025 eq. 10).
+  (DAPO's clip-higher, Yu et al. 2025).
 * ``dual_clip = c``: for ``A < 0`` the per-token objective is bounded below by ``c * A`` (Ye et
   al. 2020).
 * ``loss_agg``: ``"seq-mean"`` (mean over each response's tokens, then over responses),
   ``"token-mean"`` (one mean over every response token of the batch, as verl's ``token-mean``;
-  DAPO eq. 12), or ``"seq-mean-token-sum-norm"`` (each response's token *sum* divided by the
+  DAPO's token-level loss), or ``"seq-mean-token-sum-norm"`` (each response's token *sum* divided by the
   constant ``norm_length``, default the engine's ``max_new``, then the mean over responses: no
   length normalisation, Dr.GRPO, Liu et al. 2025, as verl's mode of that name). Responses with
   no loss tokens (dropped groups) are left out of the mean over responses.
 * ``adv_norm``: ``"std"`` (``(r - mean) / (std + eps)``) or ``"none"`` (``r - mean``, Dr.GRPO).
 * ``dynamic_sampling``: groups whose rewards are all equal (zero advantage, no gradient) are
-  dropped from the update (DAPO eq. 11); up to ``max_resample`` extra rounds roll out a fresh
+  dropped from the update (DAPO); up to ``max_resample`` extra rounds roll out a fresh
   ``prompts_per_step`` prompts each until ``prompts_per_step`` groups with a signal are kept. The
   batch shape stays fixed (no recompilation): if the rounds run out, the missing groups are
   filled with dropped ones whose loss mask is zeroed. Metrics: ``groups_dropped`` (all rounds),
-  ``groups_kept`` (in the update), ``resample_rounds``; ``reward_mean`` is the first round's.
+  ``groups_kept`` (in the update), ``resample_rounds``; ``reward_mean`` is the first round's (shaped) reward.
 * ``overlong_buffer`` / ``overlong_penalty``: DAPO's soft overlong punishment (eq. 13) added to
   the reward, with ``L_cache = overlong_buffer * L_max`` (a fraction; DAPO: 4096 / 20480 = 0.2)
   and ``L_max`` = ``overlong_max_length`` (default the engine's ``max_new``):
