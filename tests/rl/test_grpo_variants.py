@@ -1,5 +1,7 @@
 """GRPO variants (DAPO, Dr.GRPO, dual-clip) against losses computed by hand on tiny arrays."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,6 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.decoding.sampling import SamplingParams
 from jaxsys.models.decoder import random_model
 from jaxsys.rl import grpo, policy as pol, tasks
-from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 
 # Row 0 has two loss tokens, row 1 one (its second position is padding).
 MASK = np.array([[1.0, 1.0], [1.0, 0.0]], np.float32)
@@ -109,24 +110,42 @@ def test_presets_and_config_errors():
     grpo.GRPOConfig.preset("ppo")
 
 
+class ScriptedEngine:
+  """Stands in for the rollout engine: fixed responses (row i: token 1 + i % 3, 1 + i % 4 times),
+  so the trainer's dynamic-sampling logic runs without compiling a decoder loop."""
+
+  def __init__(self, max_new=6, max_prompt=8):
+    self.config = types.SimpleNamespace(sampling=SamplingParams(1.0), max_new=max_new,
+                                        max_prompt=max_prompt)
+    self.seeds = []
+
+  def set_weights(self, model):
+    pass
+
+  def generate(self, prompts, seed=0, on_long_tail=None):
+    self.seeds.append(seed)
+    toks = [[1 + i % 3] * (1 + i % 4) for i in range(len(prompts))]
+    stats = {"mean_accepted": float("nan"), "spec_steps": 0, "vanilla_steps": 0}
+    return types.SimpleNamespace(tokens=toks, sequences=None, features=None, prompt_lengths=None,
+                                 stats=stats)
+
+
 def test_trainer_dynamic_sampling_and_overlong_shaping():
-  pcfg = pol.policy_config(hidden=16, layers=1)
-  policy = random_model(pcfg, 0)
-  engine = RolloutEngine(policy, None, RolloutConfig(
-      max_new=6, max_prompt=8, batch_buckets=(8,), stop_tokens=(tasks.EOS,),
-      sampling=SamplingParams(1.0), speculative=False))
+  policy = random_model(pol.policy_config(hidden=16, layers=1), 0)
+  engine = ScriptedEngine()
   # Rewards by call order (P=4 prompts x G=2). Step 1, round 0: groups 0 and 2 are flat;
   # round 1: only group 3 has a signal -> 3 kept, 5 dropped, one dropped group fills the batch.
   # Step 2: every group flat in both rounds -> no update at all.
   table = [1, 1, 0, 1, 0, 0, 1, 0] + [1, 1, 1, 1, 0, 0, 0, 1] + [0.5] * 16
   it = iter(table)
   cfg = grpo.GRPOConfig(group_size=2, prompts_per_step=4, minibatches=2, dynamic_sampling=True,
-                        max_resample=1)
+                        max_resample=1, seed=3)
   tr = grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0), cfg,
                         reward_fn=lambda ex, r: float(next(it)))
   before = jax.device_get(tr.params)
   m = tr.step()
   assert (m["groups_dropped"], m["groups_kept"], m["resample_rounds"]) == (5, 3, 1)
+  assert engine.seeds == [3 * 100003, 3 * 100003 + 1000003]  # round 0 keeps the plain seed
   assert m["reward_mean"] == 0.5 and len(m["responses"]) == 16  # round 0's reward; both rounds
   changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), before, jax.device_get(tr.params))
   assert any(jax.tree.leaves(changed))
