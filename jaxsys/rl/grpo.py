@@ -34,7 +34,8 @@ Options of :class:`GRPOConfig` (the defaults reproduce the formula above):
   ``-1`` beyond, times ``overlong_penalty`` (see :func:`overlong_reward`).
 * Presets: ``GRPOConfig.dapo()`` (clip 0.2 / 0.28, token-mean, dynamic sampling with 2 resample
   rounds, overlong buffer 0.2, KL 0) and ``GRPOConfig.dr_grpo()`` (no std and no length
-  normalisation, KL 0); ``GRPOConfig.preset(name, **overrides)`` for either by name.
+  normalisation, KL 0); ``GRPOConfig.preset(name, **overrides)`` for either by name. With
+  ``kl_coef = 0`` the trainer skips the reference forward (the ``kl`` metric is then NaN).
 
 ``pi_old`` log-probs are recomputed by the trainer (one forward before the updates) rather than
 trusted from the rollout engine, and the new weights are synced into the engine after each step.
@@ -339,9 +340,12 @@ class GRPOTrainer:
     return [(idx, self._width(lengths[idx].max())) for idx in chunks]
 
   def _logps(self, tokens):
-    """Old-policy and reference log-probs of one minibatch (recomputed by the trainer)."""
-    return (self._logp(self.gdef, self.params, self.rest, tokens),
-            self._logp(self.gdef, self.ref_params, self.rest, tokens))
+    """Old-policy and reference log-probs of one minibatch (recomputed by the trainer). With
+    ``kl_coef == 0`` (DAPO, Dr.GRPO) the reference pass is skipped: its term has weight 0."""
+    old = self._logp(self.gdef, self.params, self.rest, tokens)
+    if self.config.kl_coef == 0:
+      return old, old
+    return old, self._logp(self.gdef, self.ref_params, self.rest, tokens)
 
   def precompile(self) -> int:
     """Compile the update for every minibatch width before the first step (outputs discarded,
@@ -453,6 +457,7 @@ class GRPOTrainer:
             "mean_accepted": accepted, "spec_steps": spec,
             "vanilla_steps": sum(res.stats["vanilla_steps"] for res in results),
             "len_mean": float(lengths.mean()), "len_max": int(lengths.max()),
-            "train_tokens": train_tokens, "loss": float(aux["loss"]), "kl": float(aux["kl"]),
+            "train_tokens": train_tokens, "loss": float(aux["loss"]),
+            "kl": float(aux["kl"]) if c.kl_coef else float("nan"),  # no reference pass at 0
             "clip_frac": float(aux["clip_frac"]), "groups_dropped": len(dropped),
             "groups_kept": n_kept, "resample_rounds": len(results) - 1, "responses": generated}

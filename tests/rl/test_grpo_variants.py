@@ -159,4 +159,9 @@ def test_trainer_dynamic_sampling_and_overlong_shaping():
                          grpo.GRPOConfig(group_size=2, prompts_per_step=4, overlong_buffer=0.5),
                          reward_fn=lambda ex, r: 1.0)
   ex = tasks.add_example(1, 2)
+  # KL weight 0 (DAPO, Dr.GRPO): the reference pass is skipped
+  toks = jnp.zeros((2, 6), jnp.int32)
+  old, ref = grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0), grpo.GRPOConfig.dapo(
+      group_size=2, prompts_per_step=4))._logps(toks)
+  assert ref is old and tr._logps(toks)[1] is not tr._logps(toks)[0]
   np.testing.assert_allclose(tr2.rewards([ex] * 3, [[1] * 3, [1] * 4, [1] * 6]), [1, 2 / 3, 0], rtol=1e-6)
