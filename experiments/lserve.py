@@ -204,16 +204,10 @@ STREAMING_FRACTIONS = (0.5, 0.25)
 
 
 def passkey_data(n: int, length: int, seed: int, task: str = "passkey"):
-  """Retrieval examples and the distillation data ``(tokens, answer_mask)`` for gate learning."""
-  from jaxsys.data import synthetic
-  exs = synthetic.examples(task, seed, n, length)
-  t = max(len(e.tokens) for e in exs)
-  tokens = np.zeros((n, t), np.int32)
-  mask = np.zeros((n, t), bool)
-  for i, e in enumerate(exs):
-    tokens[i, :len(e.tokens)] = e.tokens
-    mask[i, len(e.prompt) - 1:len(e.tokens) - 1] = True  # states that predict the answer
-  return exs, (tokens, mask)
+  """Retrieval examples and the distillation data ``(tokens, answer_mask)`` for gate learning
+  (what ``jaxsys gates`` learns on)."""
+  from jaxsys.serving.gates_cli import distillation_data
+  return distillation_data(n, length, seed, task=task)
 
 
 def _accuracy(model, exs, ls, streaming, max_batch=8) -> float:

@@ -19,7 +19,7 @@ summary line on stderr.
   jaxsys serve --prompts prompts.jsonl --model tiny --dense
 
 ``--model``: a named pretrained model (``smollm2-135m-instruct``, with its tokenizer and chat
-template; ``jaxsys fetch`` it first), ``tiny`` (the shipped tiny LM), ``random`` (a small
+template; ``jaxsys fetch`` it first), a ``.gguf`` file, ``tiny`` (the shipped tiny LM), ``random`` (a small
 random-weight model, for smoke tests) or a Hugging Face checkpoint directory.
 """
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxsys serve", description=__doc__.split("\n\n")[0])
   p.add_argument("--prompts", help="prompt file: run the batch engine on it instead of serving HTTP")
   p.add_argument("--model", default="tiny",
-                 help="smollm2-135m-instruct | tiny | random | HF checkpoint dir")
+                 help="smollm2-135m-instruct | a .gguf file | tiny | random | HF checkpoint dir")
   p.add_argument("--dense", action="store_true", help="dense attention (every head, every page)")
   p.add_argument("--lserve", action="store_true", help="LServe sparse attention (the HTTP server's "
                  "default is dense; the prompt-file mode's is LServe)")
@@ -108,6 +108,9 @@ def read_prompts(path) -> tuple[list[list[int]], list[int | None]]:
 def load_model(name: str):
   """``(model, tokenizer or None)``."""
   from jaxsys.models.pretrained import MODELS  # noqa: PLC0415
+  if name.endswith(".gguf"):
+    from jaxsys.models.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
+    return from_gguf(name), load_tokenizer(name)
   if name in MODELS:
     from jaxsys.models import load_pretrained  # noqa: PLC0415
     return load_pretrained(name)

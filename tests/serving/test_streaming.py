@@ -57,3 +57,50 @@ def test_duoattention_tsv_head_pattern(tmp_path):
   g.save_tsv(tmp_path / "out.tsv")
   again = StreamingGates.load(tmp_path / "out.tsv", sparsity=0.5, sink=4, window=8)
   assert again.alpha == g.alpha and again.streaming == g.streaming and again.window == 8
+
+
+def test_gates_command_writes_a_file_serve_loads(tmp_path, capsys):
+  """``jaxsys gates`` on the tiny LM: the JSON and TSV it writes load back to the same flags, with
+  the requested share of streaming heads; bad arguments exit 2 with a message."""
+  from jaxsys import cli
+  from jaxsys.models import load_tiny_lm
+  out, tsv = tmp_path / "gates.json", tmp_path / "full_attention_heads.tsv"
+  args = ["gates", "--model", "tiny", "--out", str(out), "--tsv", str(tsv), "--steps", "2",
+          "--length", "64", "--examples", "2", "--sink", "4", "--window", "8", "--no-progress"]
+  assert cli.main(args) == 0
+  mc = load_tiny_lm().config
+  gates = StreamingGates.load(out)
+  flags = np.asarray(gates.streaming)
+  assert flags.shape == (mc.num_layers, mc.num_kv_heads) and flags.sum() == round(0.5 * flags.size)
+  assert (gates.sink, gates.window, len(gates.history)) == (4, 8, 2)
+  assert StreamingGates.load(tsv, sparsity=0.5).streaming == gates.streaming
+  assert "kv heads streaming" in capsys.readouterr().err
+  assert cli.main(args[:-1] + ["--sparsity", "1.5"]) == 2
+  assert "sparsity=1.5" in capsys.readouterr().err
+
+
+class _WordTokenizer:
+  """Whitespace words as tokens (what the text passkey path needs: encode / decode)."""
+
+  def __init__(self):
+    self.vocab: dict[str, int] = {}
+
+  def encode(self, text, add_special_tokens=False):
+    return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+  def decode(self, ids):
+    words = {i: w for w, i in self.vocab.items()}
+    return " ".join(words[i] for i in ids)
+
+
+def test_text_passkey_distillation_data_marks_the_key():
+  from jaxsys.serving.gates_cli import distillation_data
+  tok = _WordTokenizer()
+  pairs, (tokens, mask) = distillation_data(3, 300, seed=4, tokenizer=tok)
+  assert tokens.shape[0] == 3 and abs(tokens.shape[1] - 300) < 20
+  for i, (prompt, answer) in enumerate(pairs):
+    # the states at the prompt's last token and the answer's first ones predict the answer
+    assert tokens[i, mask[i]].tolist() == (prompt + answer)[len(prompt) - 1:-1]
+    key = tok.decode(answer)
+    assert key.isdigit() and f"The pass key is {key}." in tok.decode(prompt)
+    assert tok.decode(prompt).endswith("What is the pass key? The pass key is")
