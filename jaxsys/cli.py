@@ -5,6 +5,7 @@
   jaxsys reproduce [--quick] [--only NAME ...] [--out DIR]
                                                run registered experiments, print a table, write runs/
   jaxsys serve ...                             OpenAI-compatible HTTP server (or the engine on a prompt file)
+  jaxsys gates --model M --out gates.json      learn DuoAttention streaming-head gates (serve --gates)
   jaxsys cluster ...                           scheduler simulator sweeps and trace summaries
 
 Subcommands come from the functions in :data:`REGISTRARS`; each takes the ``jaxsys`` subparsers
@@ -250,6 +251,8 @@ def _register_core(sub) -> None:
 
 def _register_forwarded(sub) -> None:
   add_forwarded(sub, "serve", "jaxsys.serving.cli", "OpenAI-compatible server (or a prompt file)")
+  add_forwarded(sub, "gates", "jaxsys.serving.gates_cli",
+                "learn DuoAttention streaming-head gates for a model (the --gates file of serve)")
   add_forwarded(sub, "cluster", "jaxsys.cluster.cli", "cluster scheduling tools")
 
 
