@@ -29,3 +29,31 @@ def devices():
   devs = jax.devices()
   assert len(devs) == 8, f"expected 8 simulated devices, got {len(devs)}"
   return devs
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def _smollm2_path():
+  from jaxsys.models import pretrained
+  path = pretrained.find(SMOLLM2)
+  if path is None:
+    pytest.skip(f"SmolLM2-135M-Instruct is not installed: run `jaxsys fetch {SMOLLM2}`")
+  return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+  """The real SmolLM2 tokenizer (from the GGUF; converted once, then read from the cache)."""
+  from jaxsys.models.gguf import load_tokenizer
+  return load_tokenizer(_smollm2_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_tokenizer):
+  """``(model, tokenizer)``: the real SmolLM2-135M-Instruct in float32, loaded once per test
+  process. Tests that use it carry ``pytest.mark.xdist_group("smollm2")`` so that, under
+  ``pytest -n ... --dist loadgroup``, one worker holds it."""
+  from jaxsys.models import from_gguf
+  import jax.numpy as jnp
+  return from_gguf(_smollm2_path(), jnp.float32), smollm2_tokenizer

@@ -1,7 +1,8 @@
 """The real SmolLM2-135M-Instruct GGUF: parity with transformers loading the same file, and the
 named-model plumbing (lookup, fetch, command line).
 
-The real model is loaded once per test run (session fixture); its tests share the xdist group
+The real model is loaded once per test process (the ``smollm2`` session fixture of
+tests/conftest.py); its tests share the xdist group
 "smollm2" so that, under ``pytest -n ... --dist loadgroup``, one worker holds it. Without the
 file they skip with the fetch command; CI fetches it first.
 """
@@ -64,15 +65,12 @@ def _one_torch_thread(torch):
 
 
 @pytest.fixture(scope="session")
-def smol():
+def smol(smollm2):
   path = P.find(NAME)
-  if path is None:
-    pytest.skip(f"SmolLM2-135M-Instruct is not installed: run `jaxsys fetch {NAME}` "
-                f"(or `python -m jaxsys.models.pretrained fetch {NAME}`)")
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   pytest.importorskip("accelerate")
-  model, tok = M.load_pretrained(NAME)
+  model, tok = smollm2
   with _one_torch_thread(torch):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            dtype=torch.float32)
@@ -271,3 +269,34 @@ def test_command_line(tmp_path, monkeypatch, capsys):
   r = subprocess.run([sys.executable, "-m", "jaxsys.models.pretrained", "fetch", "nope"],
                      capture_output=True, text=True, timeout=60)
   assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr
+
+
+@REAL
+def test_cached_tokenizer_equals_a_fresh_conversion(smol, tmp_path):
+  """``load_tokenizer`` reads the converted tokenizer back from its cache (the fixture's load wrote
+  it): it equals a fresh conversion of the file; a damaged or mismatched copy is refused."""
+  import json
+  import shutil
+
+  from jaxsys.models import gguf
+  folder = gguf._tokenizer_cache_folder(smol.path)
+  assert (folder / "jaxsys_fingerprint.json").is_file()
+  cached = gguf._read_cached_tokenizer(folder)
+  fresh = gguf.load_tokenizer(smol.path, cache=False)
+  texts = [TEXT, "Café 1234 — ok?", "<|im_start|>user\nhi<|im_end|>"]
+  assert len(cached) == len(fresh) and cached.chat_template == fresh.chat_template
+  assert [cached(t)["input_ids"] for t in texts] == [fresh(t)["input_ids"] for t in texts]
+  chat = [{"role": "user", "content": "What is the capital of France?"}]
+  assert P._chat_ids(cached, chat) == P._chat_ids(fresh, chat)
+  assert (cached.eos_token_id, cached.pad_token_id, cached.bos_token_id) == \
+      (fresh.eos_token_id, fresh.pad_token_id, fresh.bos_token_id)
+  # A copy whose recorded fingerprint does not match, or whose files are damaged, is not used.
+  bad = tmp_path / "bad"
+  shutil.copytree(folder, bad)
+  record = json.loads((bad / "jaxsys_fingerprint.json").read_text())
+  (bad / "jaxsys_fingerprint.json").write_text(json.dumps(dict(record, len=record["len"] + 1)))
+  assert gguf._read_cached_tokenizer(bad) is None
+  (bad / "jaxsys_fingerprint.json").write_text(json.dumps(record))
+  (bad / "tokenizer.json").write_text("{ truncated")
+  assert gguf._read_cached_tokenizer(bad) is None
+  assert gguf._read_cached_tokenizer(tmp_path / "missing") is None

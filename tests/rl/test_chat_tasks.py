@@ -122,14 +122,9 @@ def test_grpo_trainer_runs_on_chat_tasks():
   assert len(m["responses"]) == 4 and np.isfinite(m["loss"]) and 0.0 <= m["reward_mean"] <= 1.0
 
 
-@pytest.fixture(scope="module")
-def smol_tok():
-  from jaxsys.models import pretrained
-  path = pretrained.find("smollm2-135m-instruct")
-  if path is None:
-    pytest.skip(f"SmolLM2 tokenizer not installed: run `{pretrained.fetch_command('smollm2-135m-instruct')}`")
-  from jaxsys.models.gguf import load_tokenizer
-  return load_tokenizer(path)
+@pytest.fixture()
+def smol_tok(smollm2_tokenizer):
+  return smollm2_tokenizer
 
 
 @pytest.mark.xdist_group("smollm2")
