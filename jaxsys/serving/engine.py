@@ -41,7 +41,6 @@ Usage::
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -56,12 +55,12 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, InputError, check_min
 from jaxsys.serving import lserve as lserve_lib
 from jaxsys.decoding.core import bucket, check_prompts, context_length, describe_context
-from jaxsys.decoding.sampling import GREEDY, SamplingParams, sample
+from jaxsys.decoding.sampling import GREEDY, SamplingParams
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError
 from jaxsys.serving.paged_views import PagedDecode
 from jaxsys.serving.prefill import check_model, prefill
 from jaxsys.serving.requests import RequestParams, StepOutput
-from jaxsys.serving.scheduler import Scheduler
+from jaxsys.serving.scheduler import Scheduler, draw
 
 __all__ = ["ServingConfig", "ServingEngine", "ServingResult"]
 
@@ -110,16 +109,6 @@ class ServingResult:
   @property
   def decode_tokens_per_second(self) -> float:
     return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-
-@dataclasses.dataclass
-class _Request:
-  index: int
-  prompt: np.ndarray
-  max_new: int
-  out: list = dataclasses.field(default_factory=list)
-  logits: list = dataclasses.field(default_factory=list)
-  finished: bool = False
 
 
 class ServingEngine:
@@ -191,14 +180,16 @@ class ServingEngine:
       return f"needs {need} pages but the pool has num_pages={c.num_pages}"
     return None
 
-  def _prefill(self, rid, req: _Request):
+  def _prefill(self, rid, prompt):
+    """Prefills the whole ``prompt`` (int32 ids) into ``rid``'s pages in one call (chunked inside
+    it); the last token's hidden state ``[1, embed]``."""
     c = self.config
-    n = len(req.prompt)
+    n = len(prompt)
     t = bucket(n, c.min_prompt_bucket)
     chunk = min(c.prefill_chunk, t)
     t = -(-t // chunk) * chunk
     tokens = np.zeros((1, t), np.int32)
-    tokens[0, :n] = req.prompt
+    tokens[0, :n] = prompt
     bt, stt, _ = self.cache.block_tables([rid], self.max_pages)
     self.cache.state, hidden = prefill(self.model, self.cache_config, self.cache.state,
                                        jnp.asarray(tokens), n, jnp.asarray(bt), jnp.asarray(stt),
@@ -211,104 +202,70 @@ class ServingEngine:
                stop_tokens=None, progress: bool = False, return_logits: bool = False) -> ServingResult:
     """Serves all prompts with continuous batching; see the module docstring.
 
-    ``max_new_tokens``: an int or one per prompt. ``sampling=None`` is greedy.
+    A thin layer over the step API: every prompt that fits becomes a request of the scheduler
+    and ``step()`` runs until all finished (one batch loop for both). ``max_new_tokens``: an int
+    or one per prompt. ``sampling=None`` is greedy; otherwise prompt ``i`` draws with its own seed
+    derived from ``(sampling.seed, i)``. Stop tokens default to the config's EOS ids.
     """
     mc = self.model.config
-    if self.scheduler.has_unfinished():
+    sch = self.scheduler
+    if sch.has_unfinished():
       raise InputError("generate() cannot run while step-API requests are live; abort them first")
     arrs = check_prompts(prompts, mc.vocab_size)
     news = [max_new_tokens] * len(arrs) if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
     if len(news) != len(arrs) or any(int(m) < 1 for m in news):
       raise InputError(f"max_new_tokens must be a positive int or one per prompt, got {max_new_tokens!r}")
-    stops = set(getattr(mc, "eos_ids", ()) if stop_tokens is None else stop_tokens)
-    # The static part of the sampling (one executable for every seed; the seed is in the key).
-    s = GREEDY if sampling is None or sampling.greedy else dataclasses.replace(sampling, seed=0)
-    if sampling is not None:
-      sampling.check_vocab(mc.vocab_size)
-    key = jax.random.PRNGKey(0 if sampling is None else sampling.seed)
-    errors: list[str | None] = [None] * len(arrs)
-    waiting = collections.deque()
-    reqs = [_Request(i, a, int(m)) for i, a in enumerate(arrs, 0) for m in [news[i]]]
-    for r in reqs:
-      errors[r.index] = self._capacity_error(len(r.prompt) + r.max_new)
-      if errors[r.index] is None:
-        waiting.append(r)
-    slots: list[_Request | None] = [None] * self.config.max_batch
+    stops = tuple(int(t) for t in (getattr(mc, "eos_ids", ()) if stop_tokens is None else stop_tokens))
+    s = GREEDY if sampling is None else sampling
+    s.check_vocab(mc.vocab_size)
+    errors = [self._capacity_error(len(a) + int(m)) for a, m in zip(arrs, news)]
     res = ServingResult([[] for _ in arrs], [False] * len(arrs), errors,
-                       [None] * len(arrs) if return_logits else None)
-    bar = _progress(progress, sum(r.max_new for r in waiting))
+                        [None] * len(arrs) if return_logits else None)
+    call = next(_ids)
+    rids, seqs, bar = {}, {}, None
     try:
-      while waiting or any(slots):
-        joined = self._admit(waiting, slots, res, key, s, stops, bar)
-        if not any(slots):
-          if waiting:  # nothing live and the head request still does not fit: a bug, not a wait
-            raise PoolExhaustedError("the engine is idle but cannot admit the next request")
-          break
-        key, sub = jax.random.split(key)
+      for i, (a, m) in enumerate(zip(arrs, news)):
+        if errors[i] is None:
+          params = RequestParams(max_tokens=int(m), temperature=s.temperature, top_p=s.top_p,
+                                 top_k=s.top_k, min_p=s.min_p, seed=_prompt_seed(s.seed, i),
+                                 stop_token_ids=stops, ignore_eos=True)
+          rid = sch.add(a, params, f"generate-{call}-{i}", text=False)
+          rids[rid], seqs[rid] = i, sch.requests[rid][0]
+      bar = _progress(progress, sum(int(news[i]) for i in rids.values()))
+      sch.keep_logits = return_logits
+      while sch.has_unfinished():
+        steps, pre, dec = sch.stats["steps"], sch.stats["prefill_tokens"], sch.stats["decode_tokens"]
         t0 = time.perf_counter()
-        logits, toks = self._step(slots, sub, s, reselect=joined)
-        res.decode_seconds += time.perf_counter() - t0
+        outs = sch.step()
+        dt = time.perf_counter() - t0
+        if sch.stats["steps"] == steps:  # nothing ran while requests wait: a bug, not a wait
+          raise PoolExhaustedError("the engine is idle but cannot admit the next request")
         res.steps += 1
-        for i, r in enumerate(slots):
-          if r is None:
-            continue
-          self._emit(r, int(toks[i]), logits[i] if return_logits else None, stops, bar)
-          res.decode_tokens += 1
-          if r.finished or len(r.out) >= r.max_new:
-            self._retire(i, slots, bar)
+        if sch.stats["prefill_tokens"] > pre:  # a step with prefill chunks counts as prefill time
+          res.prefill_seconds += dt
+        else:
+          res.decode_seconds += dt
+          res.decode_tokens += sch.stats["decode_tokens"] - dec
+        if bar is not None:
+          for o in outs:
+            bar.update(len(o.new_token_ids))
+            if o.finished and o.num_generated < seqs[o.request_id].params.max_tokens:
+              bar.total -= seqs[o.request_id].params.max_tokens - o.num_generated  # stopped early
+              bar.refresh()
     except BaseException:
-      self._abort()
+      sch.reset()
       raise
     finally:
+      sch.keep_logits = False
       if bar is not None:
         bar.close()
-    for r in reqs:
-      if errors[r.index] is None:
-        res.tokens[r.index] = r.out
-        res.finished[r.index] = r.finished
-        if return_logits:
-          res.logits[r.index] = np.stack(r.logits)
+    for rid, i in rids.items():
+      q = seqs[rid]
+      res.tokens[i] = list(q.out)
+      res.finished[i] = q.finish_reason == "stop"
+      if return_logits:
+        res.logits[i] = np.stack(q.logits)
     return res
-
-  def _admit(self, waiting, slots, res, key, s, stops, bar) -> bool:
-    joined = False
-    while waiting and None in slots:
-      r = waiting[0]
-      try:
-        self.cache.admit(r.index, len(r.prompt) + r.max_new)
-      except PoolExhaustedError:
-        break  # waits until a live request leaves
-      waiting.popleft()
-      t0 = time.perf_counter()
-      hidden = self._prefill(r.index, r)
-      logits, tok = _first_token(self._graphdef, self._params, hidden, key, r.index, s)
-      tok = int(tok[0])
-      res.prefill_seconds += time.perf_counter() - t0
-      self._emit(r, tok, np.asarray(logits[0]) if res.logits is not None else None, stops, bar)
-      slot = slots.index(None)
-      slots[slot] = r
-      joined = True
-      if r.finished or len(r.out) >= r.max_new:
-        self._retire(slot, slots, bar)
-    return joined
-
-  @staticmethod
-  def _emit(r, tok, logits, stops, bar):
-    r.out.append(tok)
-    if logits is not None:
-      r.logits.append(np.asarray(logits))
-    if tok in stops:
-      r.finished = True
-    if bar is not None:
-      bar.update(1)
-
-  def _retire(self, slot, slots, bar):
-    r = slots[slot]
-    self.cache.release(r.index)
-    slots[slot] = None
-    if bar is not None and len(r.out) < r.max_new:  # a stop token: the bar counts tokens made
-      bar.total -= r.max_new - len(r.out)
-      bar.refresh()
 
   def _abort(self):
     """After a failure anywhere in ``generate``: frees every live request (admitted, prefilling or
@@ -317,17 +274,11 @@ class ServingEngine:
     self._numbers = None
     self._since_select = 0
 
-  def _step(self, slots, key, s, reselect):
-    """One decode step over all slots: writes each live request's last token, samples the next."""
-    rids = [None if r is None else r.index for r in slots]
-    tokens = np.array([0 if r is None else r.out[-1] for r in slots], np.int32)
-    logits, toks = self._decode(rids, tokens, reselect, key, s)
-    return np.asarray(logits), np.asarray(toks)
-
-  def _decode(self, rids, tokens, reselect, key=None, s=GREEDY):
+  def _decode(self, rids, tokens, reselect, ints=None, floats=None, keep_logits=False):
     """The decode step over the slots ``rids`` (None: empty) with each one's last token
-    ``tokens int32[slots]``: ``(logits [slots, vocab], tokens sampled with s)`` (device arrays)."""
-    key = jax.random.PRNGKey(0) if key is None else key
+    ``tokens int32[slots]``: ``(logits [slots, vocab], drawn)`` (device arrays); with the
+    scheduler's sampling arguments ``ints`` / ``floats`` the rows' tokens are drawn in the same
+    executable (``scheduler.draw``; one dispatch per decode step), else ``drawn`` is None."""
     for rid in rids:
       if rid is not None:
         self.cache.extend(rid, 1)
@@ -338,35 +289,33 @@ class ServingEngine:
       reselect = reselect or self._numbers is None or self._since_select >= sel.reuse_steps
       self._since_select = 1 if reselect else self._since_select + 1
     numbers = self._numbers if self._numbers is not None else [None] * self.cache_config.num_layers
-    logits, toks, self.cache.state, numbers = _decode_step(
+    logits, drawn, self.cache.state, numbers = _decode_step(
         self._graphdef, self._params, self.cache_config, sel, self.cache.state, jnp.asarray(tokens),
         jnp.asarray(lengths), jnp.asarray(active), jnp.asarray(bt), jnp.asarray(stt),
-        tuple(numbers), bool(reselect) if sel is not None else True, key, s,
-        self.config.lserve.impl)
+        tuple(numbers), bool(reselect) if sel is not None else True, self.config.lserve.impl,
+        bool(keep_logits), ints, floats)
     self._numbers = list(numbers) if sel is not None else None
-    for i, rid in enumerate(rids):
+    for rid in rids:
       if rid is not None:
         self.cache.seqs[rid].length += 1
-    return logits, toks
+    return logits, drawn
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _first_token(graphdef, params, hidden, key, index, sampling):
-  """Logits ``[1, vocab]`` of the last prompt token and the sampled first new token."""
-  model = nnx.merge(graphdef, params)
-  logits = model.logits(hidden[:, None])[:, 0]
-  return logits, sample(jax.random.fold_in(key, index), logits, sampling)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 13, 14), donate_argnums=(4,))
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 12, 13), donate_argnums=(4,))
 def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positions, active, bt,
-                 stt, numbers, reselect, key, sampling, impl):
+                 stt, numbers, reselect, impl, keep_logits, ints, floats):
   model = nnx.merge(graphdef, params)
   view = PagedDecode(st, bt, stt, positions, active, tuple(numbers), config=c, selection=sel,
                      reselect=reselect, impl=impl)
   h, view = model.forward_hidden(tokens[:, None], positions=positions[:, None], cache=view)
   logits = model.logits(h)[:, 0]  # [slots, vocab]
-  return logits, sample(key, logits, sampling), view.state, view.numbers
+  drawn = None if ints is None else draw(logits[ints[0]], ints, floats, keep_logits)
+  return logits, drawn, view.state, view.numbers
+
+
+def _prompt_seed(seed: int, index: int) -> int:
+  """Prompt ``index``'s seed in a ``generate`` call seeded ``seed``: distinct streams per prompt."""
+  return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def _progress(enabled: bool, total: int):

@@ -118,6 +118,7 @@ class SeqState:
   stop_ids: frozenset
   out: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
+  logits: list = dataclasses.field(default_factory=list)   # [vocab] per token (Scheduler.keep_logits)
   status: str = WAITING
   computed: int = 0                   # tokens whose keys/values are in the cache
   keys: list = dataclasses.field(default_factory=list)   # prefix-cache keys of its full pages

@@ -50,7 +50,7 @@ from jaxsys.serving.prefix_cache import page_keys
 from jaxsys.serving.requests import (DECODE, FINISHED, MAX_TOP_LOGPROBS, PREFILL, WAITING, RequestParams,
                                      SeqState, StepOutput, TextStream, TokenLogprob)
 
-__all__ = ["Scheduler"]
+__all__ = ["draw", "Scheduler"]
 
 log = logging.getLogger("jaxsys.serving")
 
@@ -72,6 +72,7 @@ class Scheduler:
     self._rng = np.random.default_rng()
     self._last_decode: tuple = ()
     self.stats = collections.Counter()
+    self.keep_logits = False                # each sampled row's logits go to SeqState.logits
 
   # -- requests -------------------------------------------------------------------------------
   def encode(self, prompt) -> np.ndarray:
@@ -84,7 +85,8 @@ class Scheduler:
       prompt = encode_prompts(self.tokenizer, prompt)[0]
     return check_prompts([prompt], self.engine.model.config.vocab_size)[0]
 
-  def add(self, prompt, params: RequestParams | None, request_id: str) -> str:
+  def add(self, prompt, params: RequestParams | None, request_id: str, *, text: bool = True) -> str:
+    """Queues ``params.n`` sequences; ``text=False`` skips detokenizing them (``generate``)."""
     params = RequestParams() if params is None else params
     if not isinstance(params, RequestParams):
       raise InputError(f"params must be a RequestParams, got {type(params).__name__}")
@@ -105,7 +107,7 @@ class Scheduler:
     for i in range(params.n):
       self._arrival += 1
       s = SeqState(request_id, i, ids, params, seed, self._arrival, frozenset(stops))
-      if self.tokenizer is not None:
+      if self.tokenizer is not None and text:
         s.text = TextStream(self.tokenizer, params.stop)
       seqs.append(s)
       self.waiting.append(s)
@@ -235,10 +237,14 @@ class Scheduler:
       return []
     self.stats["steps"] += 1
     slots = len(self.slots)
+    if decode and not chunks:  # a decode-only step: sampling runs inside the decode executable
+      ints, floats = self._sample_args(decode, [s.slot for s in decode], [False] * len(decode))
+      _, drawn = self._decode(decode, ints, floats)
+      return self._emit(decode, drawn)
     rows, src, from_prefill = [], [], []
     dec_logits = None
     if decode:
-      dec_logits = self._decode(decode)  # [slots, vocab], row = slot
+      dec_logits, _ = self._decode(decode)  # [slots, vocab], row = slot
       rows += decode
       src += [s.slot for s in decode]
       from_prefill += [False] * len(decode)
@@ -268,7 +274,7 @@ class Scheduler:
     e = self.engine
     toks = s.tokens
     if not self.chunked:
-      hidden = e._prefill(s.rid, _Prompt(toks))
+      hidden = e._prefill(s.rid, toks)
       s.computed = len(toks)
     else:
       t = bucket(n, e.config.min_prompt_bucket)
@@ -291,8 +297,9 @@ class Scheduler:
     s.status = DECODE
     return hidden
 
-  def _decode(self, decode) -> jax.Array:
-    """One decode step over the slots: logits ``[slots, vocab]`` (row ``i`` = slot ``i``)."""
+  def _decode(self, decode, ints=None, floats=None):
+    """One decode step over the slots: ``(logits [slots, vocab] (row i = slot i), drawn)``; with
+    the sampling arguments of :meth:`_sample_args` ``drawn`` is what ``_sample_step`` returns."""
     e = self.engine
     rids = [None] * len(self.slots)
     tokens = np.zeros(len(self.slots), np.int32)
@@ -302,30 +309,47 @@ class Scheduler:
     key = tuple(rids)
     reselect = key != self._last_decode
     self._last_decode = key
-    logits, _ = e._decode(rids, tokens, reselect)
+    out = e._decode(rids, tokens, reselect, ints, floats, self.keep_logits)
     for s in decode:
       s.computed += 1
     self.stats["decode_tokens"] += len(decode)
-    return logits
+    return out
 
-  def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
-    """Samples each row's next token. Shapes are fixed per engine (``slots`` rows, padded), so
-    one executable serves every mix of decoding and just-prefilled sequences."""
-    e = self.engine
+  def _sample_args(self, rows, src, from_prefill):
+    """The per-row parameters of ``_draw``, padded to ``slots`` rows (fixed shapes: one executable
+    for every mix of rows): ``ints int32[7, slots]`` = (src, from_prefill, seed, choice, index,
+    top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p, min_p) (two
+    host-to-device copies per step)."""
     b, r = len(self.slots), len(rows)
     pad = lambda xs, dt, fill=0: np.asarray(list(xs) + [fill] * (b - r), dt)  # noqa: E731
     p = [s.params for s in rows]
-    toks, chosen, top_ids, top_lp = _sample_step(
-        e._graphdef, e._params, dec_logits, hidden, pad(src, np.int32), pad(from_prefill, bool, False),
-        pad([s.seed for s in rows], np.uint32), pad([s.index for s in rows], np.int32),
-        pad([len(s.out) for s in rows], np.int32), pad([q.temperature for q in p], np.float32),
-        pad([q.top_k for q in p], np.int32), pad([q.top_p for q in p], np.float32, 1.0),
-        pad([q.min_p for q in p], np.float32))
-    toks, chosen, top_ids, top_lp = jax.device_get((toks, chosen, top_ids, top_lp))
+    ints = np.stack([pad(src, np.int32), pad(from_prefill, np.int32), pad([s.seed for s in rows], np.int32),
+                     pad([s.index for s in rows], np.int32), pad([len(s.out) for s in rows], np.int32),
+                     pad([q.top_k for q in p], np.int32), pad([q.logprobs for q in p], np.int32)])  # [7, slots]
+    floats = np.stack([pad([q.temperature for q in p], np.float32),
+                       pad([q.top_p for q in p], np.float32, 1.0),
+                       pad([q.min_p for q in p], np.float32)])                 # [3, slots]
+    return ints, floats
+
+  def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
+    """Samples each row's next token (rows of decode slots and of just-prefilled prompts)."""
+    e = self.engine
+    ints, floats = self._sample_args(rows, src, from_prefill)
+    # The model's parameters only when a prompt's last hidden state needs its logits (flattening
+    # them costs host time on every call).
+    out = _sample_step(e._graphdef, self.keep_logits, None if hidden is None else e._params,
+                       dec_logits, hidden, ints, floats)
+    return self._emit(rows, out)
+
+  def _emit(self, rows, drawn) -> list[StepOutput]:
+    """Appends each row's drawn token, checks its stop conditions and streams its text."""
+    toks, chosen, top_ids, top_lp, *logits = jax.device_get(drawn)
     outs = []
     for i, s in enumerate(rows):
       tok = int(toks[i])
       s.out.append(tok)
+      if logits:
+        s.logits.append(logits[0][i])
       lps = None
       if s.params.logprobs:
         k = s.params.top_logprobs
@@ -356,26 +380,22 @@ class Scheduler:
                [len(x.out) for x in seqs])
 
 
-class _Prompt:
-  """The ``prompt`` attribute ``ServingEngine._prefill`` reads."""
-
-  def __init__(self, prompt):
-    self.prompt = prompt
-
-
 @jax.jit
 def _put_row(buf, row, i):
   """``buf[i] = row[0]`` (``buf [slots, embed]``, ``row [1, embed]``; ``i`` traced: one executable)."""
   return jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), i, axis=0)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _sample_step(graphdef, params, dec_logits, hidden, src, from_prefill, seeds, choice, index,
-                 temperature, top_k, top_p, min_p):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats):
   """Row ``j``'s logits are ``dec_logits[src[j]]`` (a decode slot) or, where ``from_prefill[j]``,
   the model's logits of ``hidden[src[j]]`` (a prompt's last hidden state); each row then draws
   its next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``.
-  Returns the tokens and the model's log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``)."""
+  ``ints int32[6, slots]`` = (src, from_prefill, seed, choice, index, top_k), ``floats
+  float32[3, slots]`` = (temperature, top_p, min_p). Returns the tokens and the model's
+  log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``), and with ``keep_logits`` the
+  logits ``[slots, vocab]`` as well."""
+  src, from_prefill = ints[0], ints[1].astype(bool)
   parts = []
   if dec_logits is not None:
     parts.append(dec_logits[src])
@@ -383,7 +403,30 @@ def _sample_step(graphdef, params, dec_logits, hidden, src, from_prefill, seeds,
     pre = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
     parts.append(pre[src].astype(parts[0].dtype) if parts else pre[src])
   logits = parts[0] if len(parts) == 1 else jnp.where(from_prefill[:, None], parts[1], parts[0])
-  keys = jax.vmap(lambda s, c, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), c), i))(
-      seeds, choice, index)
-  toks = sample_rows(keys, logits, temperature, top_k, jnp.minimum(top_p, 1.0), min_p)
-  return (toks,) + token_logprobs(logits, toks, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+  return draw(logits, ints, floats, keep_logits)
+
+
+def draw(logits, ints, floats, keep_logits: bool):
+  """Traced: row ``j`` of ``logits [slots, vocab]`` draws its token with its own parameters and
+  key ``fold_in(fold_in(seed, choice), index)`` (``ints`` / ``floats`` of
+  ``Scheduler._sample_args``); also run inside the engine's decode executable."""
+  _, _, seeds, choice, index, top_k, want_logprobs = ints
+  temperature, top_p, min_p = floats
+  seeds = seeds.astype(jnp.uint32)
+
+  def drawn():
+    keys = jax.vmap(lambda s, c, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), c), i))(
+        seeds, choice, index)
+    return sample_rows(keys, logits, temperature, top_k, jnp.minimum(top_p, 1.0), min_p)
+
+  # Runtime branches (one executable): an all-greedy step skips the per-row sort and draw
+  # (sample_rows gives greedy rows the argmax as well), a step where no row asks for
+  # log-probabilities skips the log-softmax and top-k over the vocabulary.
+  toks = jax.lax.cond(jnp.all(temperature <= 0),
+                      lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+  top = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+  b = logits.shape[0]
+  out = (toks,) + jax.lax.cond(
+      jnp.any(want_logprobs > 0), lambda: token_logprobs(logits, toks, top),
+      lambda: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32)))
+  return out + (logits,) if keep_logits else out

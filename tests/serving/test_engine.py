@@ -104,11 +104,21 @@ def test_failure_at_any_step_frees_every_page_and_engine_stays_usable(model):
   """An exception or KeyboardInterrupt in any prefill or decode step propagates, every page goes
   back to the pool, and the next call equals a clean engine's output."""
   prompts, news = _prompts(), [4, 7, 5]  # 2 slots: the third request joins mid-run
-  ref = _dense_engine(model).generate(prompts, news, stop_tokens=())
   engine = _dense_engine(model)
-  real = {"_step": engine._step, "_prefill": engine._prefill}
-  calls = {"_step": ref.steps, "_prefill": len(prompts)}
-  for name, n in calls.items():
+  hooks = {"_decode": engine, "_prefill": engine.scheduler}  # decode steps, prefill chunks
+  real = {name: getattr(obj, name) for name, obj in hooks.items()}
+  calls = dict.fromkeys(hooks, 0)
+  for name, obj in hooks.items():
+    def counting(*args, _name=name, **kwargs):
+      calls[_name] += 1
+      return real[_name](*args, **kwargs)
+    setattr(obj, name, counting)
+  ref = engine.generate(prompts, news, stop_tokens=())
+  for name, obj in hooks.items():
+    setattr(obj, name, real[name])
+  assert calls["_decode"] > 2 and calls["_prefill"] == len(prompts)
+  for name, n in dict(calls).items():
+    obj = hooks[name]
     for fail_at in range(n):
       count = [0]
 
@@ -116,17 +126,18 @@ def test_failure_at_any_step_frees_every_page_and_engine_stays_usable(model):
         if count[0] == _fail_at:
           if _fail_at % 2:
             raise KeyboardInterrupt
-          if name == "_step":  # as if interrupted inside the donating call: the pools are gone
+          if name == "_decode":  # as if interrupted inside the donating call: the pools are gone
             jax.tree.map(lambda x: x.delete(), engine.cache.state)
           raise RuntimeError("injected")
         count[0] += 1
         return _real(*args, **kwargs)
 
-      setattr(engine, name, failing)
+      setattr(obj, name, failing)
       with pytest.raises((RuntimeError, KeyboardInterrupt)):
         engine.generate(prompts, news, stop_tokens=())
       assert engine.cache.alloc.num_free == 24 and not engine.cache.seqs, (name, fail_at)
-      setattr(engine, name, real[name])
+      assert not engine.has_unfinished(), (name, fail_at)
+      setattr(obj, name, real[name])
       again = engine.generate(prompts, news, stop_tokens=())
       assert again.tokens == ref.tokens, (name, fail_at)
   assert engine.cache.alloc.num_free == 24 and engine.cache.stream_alloc.num_free == \

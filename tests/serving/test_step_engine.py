@@ -9,7 +9,7 @@ import pytest
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.models.decoder import random_model
-from jaxsys.serving import ServingConfig, ServingEngine
+from jaxsys.serving import ServingConfig, ServingEngine, generate
 from jaxsys.serving.lserve import LServeConfig
 from jaxsys.serving.prefix_cache import PrefixCachingAllocator, page_keys
 from jaxsys.serving.requests import RequestParams, TextStream
@@ -64,6 +64,8 @@ def test_streamed_tokens_equal_offline_generate_and_pool_returns(model):
   prompts = _prompts()
   news = [6, 9, 5, 7]
   ref = _engine(model).generate(prompts, news, stop_tokens=())  # the batch (non-streaming) path
+  core = generate(model, prompts, max_new_tokens=max(news), stop_tokens=())  # the decoding core
+  assert ref.tokens == [t[:m] for t, m in zip(core.tokens, news)]
   e = _engine(model)
   out = _run(e, prompts, [RequestParams(max_tokens=m, **GREEDY) for m in news])
   assert [out[(f"r{i}", 0)][0] for i in range(4)] == ref.tokens
