@@ -22,6 +22,10 @@ rollouts, timed apart ("drafter training time"): TLT runs them on resources the 
 idle, which a 2-core CPU host does not have, so the step time is also given with them added.
 
 Run: ``python -m experiments.tlt --quick``.
+
+Full mode (``python -m experiments.tlt``) runs the TLT decode measurements on SmolLM2-135M-Instruct
+(``experiments/_tlt_smollm2.py``): the regime row, then speculative decode speedup at batch 1-8,
+chain and tree, full vs reduced draft vocabulary, and greedy losslessness.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ import numpy as np
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "tlt"
+
+
+def run_smollm2(out_dir: str) -> list[Row]:
+  from experiments import _tlt_smollm2
+  return _tlt_smollm2.run(out_dir)
 
 
 def _config(quick: bool) -> dict:
@@ -58,6 +67,13 @@ def _config(quick: bool) -> dict:
 
 
 def run(quick: bool, out_dir: str) -> list[Row]:
+  if not quick:
+    return run_smollm2(out_dir)
+  return run_tiny(quick, out_dir)
+
+
+def run_tiny(quick: bool, out_dir: str) -> list[Row]:
+  """The tiny trained LM as policy (the whole pipeline, GRPO included; see the module docstring)."""
   import jax
   from flax import nnx
 
