@@ -1,8 +1,10 @@
 """TLT full mode on SmolLM2-135M-Instruct (``python -m experiments.tlt``).
 
-The policy is the real model (``jaxsys.models.load_pretrained``, f32 weights). Prompts are plain
-chat instructions whose answers are naturally long-tailed: "list / count N items" with N drawn
-from a heavy-tailed (Zipf-like) distribution. Measures:
+The policy is the real model (``jaxsys.models.load_pretrained``, f32 weights). Prompts are
+``jaxsys.rl.chat_tasks.ChatTaskSampler``'s verifiable chat tasks (count / list / repeat / sort N
+items, worked arithmetic; N truncated-Zipf), whose answers are naturally long-tailed (the figures
+in experiments/README.md were measured before this switch, on plain "list / count N items"
+instructions). Measures:
 
 1. the regime row: the batch-1 decode step of the decoding core's ``generate`` (on-device loop,
    per-step cost from two lengths, so the prefill cancels) beside weight bytes / measured read
@@ -31,27 +33,25 @@ from jaxsys.core.results import Row, run_dir, write_result
 NAME = "tlt"
 MODEL = "smollm2-135m-instruct"
 
-_ITEMS = ("animals", "countries", "fruits", "colors", "cities", "vegetables", "sports",
-          "musical instruments", "jobs", "tools")
-
-
 def _config() -> dict:
   return dict(temperature=0.7, max_new=160, warm_rollouts=4, warm_batch=8, warm_steps=100,
               draft_vocab=4096, batches=(1, 2, 4, 8), repeats=2, chain=(4, 1, 5), tree=(4, 2, 5),
-              verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0)
+              items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0)
+
+
+def _sampler(tok, cfg):
+  from jaxsys.rl import chat_tasks
+  return chat_tasks.ChatTaskSampler(tok, items=cfg["items"])
 
 
 def _prompts(tok, n: int, rng, *, long_only: bool = False) -> list[list[int]]:
-  """Chat prompts asking for N items, N heavy-tailed (mostly 2-5, sometimes 20-40)."""
-  from jaxsys.models import pretrained as P
-  out = []
-  for _ in range(n):
-    k = int(rng.integers(20, 41)) if long_only else int(min(40, 1 + rng.zipf(1.6)))
-    what = _ITEMS[int(rng.integers(len(_ITEMS)))]
-    text = (f"Count from 1 to {k}, one number per line." if rng.random() < 0.3 else
-            f"List {k} {what}, one per line, numbered.")
-    out.append(P._chat_ids(tok, [{"role": "user", "content": text}]))
-  return out
+  """``jaxsys.rl.chat_tasks`` prompts: the default long-tailed mixture (truncated-Zipf sizes), or
+  ``long_only`` count / repeat tasks of 24-48 items (the long tail the speedup rows decode)."""
+  from jaxsys.rl import chat_tasks
+  if long_only:
+    return [list(chat_tasks.make_example(str(rng.choice(["count", "repeat"])), rng,
+                                         int(rng.integers(24, 49)), tok).prompt) for _ in range(n)]
+  return [list(e.prompt) for e in _sampler(tok, _config()).sample(n, rng)]
 
 
 def _best(fn, reps: int) -> float:
@@ -151,7 +151,7 @@ def run(out_dir: str) -> list[Row]:
   # ---- 2) rollouts and drafter warm-up ------------------------------------------------------
   sampling = SamplingParams(cfg["temperature"])
   chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
-  max_prompt = 48
+  max_prompt = _sampler(tok, cfg).max_prompt  # the longest prompt of the task mixture
   base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=max_prompt,
               stop_tokens=stops, batch_buckets=cfg["batches"], spec_threshold=8, sampling=sampling,
               fused=True, compilation_cache_dir=str(out / "xla_cache"))
