@@ -343,7 +343,10 @@ class Scheduler:
 
   def _emit(self, rows, drawn) -> list[StepOutput]:
     """Appends each row's drawn token, checks its stop conditions and streams its text."""
-    toks, chosen, top_ids, top_lp, *logits = jax.device_get(drawn)
+    if any(s.params.logprobs for s in rows):
+      toks, chosen, top_ids, top_lp, *logits = jax.device_get(drawn)
+    else:  # fetch only what is used (the log-probability outputs are zeros then)
+      toks, *logits = jax.device_get((drawn[0], *drawn[4:]))
     outs = []
     for i, s in enumerate(rows):
       tok = int(toks[i])
