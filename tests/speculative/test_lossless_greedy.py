@@ -44,21 +44,22 @@ def setup():
   trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=20)
   trainer.train(model, buffer, steps=40)
   engine.set_drafter(trainer.state)
-  return model, trainer.drafter, engine, prompts, ref.tokens, (res, buffer)
+  return model, trainer.drafter, engine, prompts, ref.tokens
 
 
 @pytest.mark.parametrize("strategy", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_speculative_with_reduced_draft_vocab_equals_vanilla(setup, strategy):
   """A reduced draft vocabulary (the 12 most frequent rollout tokens of 48) changes what is
   proposed, never what is emitted: verification uses the target's full distribution."""
-  model, _, engine, prompts, ref, (res, buffer) = setup
+  model, _, engine, prompts, ref = setup
+  res = engine.generate(prompts, speculative=False)
+  buffer = online.DrafterBuffer()
+  buffer.add(0, res.sequences, res.features, res.prompt_lengths)
   drafter = EagleDrafter(DrafterConfig.for_target(CFG, draft_vocab=12), rngs=nnx.Rngs(1))
-  ids = top_token_ids(res.sequences, 12, CFG.vocab_size, res.prompt_lengths)
-  drafter.set_draft_vocab(ids)
+  drafter.set_draft_vocab(top_token_ids(res.sequences, 12, CFG.vocab_size, res.prompt_lengths))
   trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=20)
   trainer.train(model, buffer, steps=40)
-  small = RolloutEngine(model, trainer.drafter, engine.config)
-  out = small.generate(prompts, force_strategy=strategy)
+  out = RolloutEngine(model, trainer.drafter, engine.config).generate(prompts, force_strategy=strategy)
   assert out.tokens == ref
   assert out.stats["spec_steps"] > 0 and out.stats["mean_accepted"] > 0
 
@@ -66,14 +67,14 @@ def test_greedy_speculative_with_reduced_draft_vocab_equals_vanilla(setup, strat
 @pytest.mark.parametrize("strategy", [CHAIN, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_speculative_equals_vanilla(setup, strategy, batch):
-  _, _, engine, prompts, ref, _ = setup
+  _, _, engine, prompts, ref = setup
   res = engine.generate(prompts[:batch], force_strategy=strategy)
   assert res.tokens == ref[:batch]
   assert res.stats["spec_steps"] > 0 and res.stats["vanilla_steps"] == 0
 
 
 def test_history_is_prompt_plus_committed_tokens(setup):
-  model, drafter, engine, prompts, ref, _ = setup
+  model, drafter, engine, prompts, ref = setup
   res = engine.generate(prompts, force_strategy=TREE)
   assert res.tokens == ref
   assert res.stats["mean_accepted"] > 0  # some drafts were accepted and committed
@@ -84,7 +85,7 @@ def test_history_is_prompt_plus_committed_tokens(setup):
 
 
 def test_bad_inputs(setup):
-  model, drafter, engine, prompts, _, _ = setup
+  model, drafter, engine, prompts, _ = setup
   wrong_vocab = EagleDrafter(DrafterConfig.for_target(CFG, vocab_size=40), rngs=nnx.Rngs(0))
   with pytest.raises(ShapeError, match="vocab_size"):
     RolloutEngine(model, wrong_vocab, engine.config)
