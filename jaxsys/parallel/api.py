@@ -234,8 +234,10 @@ def sequence_parallel_attention(q, k, v, *, mesh: Mesh, strategy: str = "hybrid"
   segs = () if q_seg is None else (q_seg, k_seg)
   reorder = plan.layout == "zigzag" and plan.ring_size > 1 and not tokens_reordered
   mesh = program_mesh(mesh)  # Explicit axes: see jaxsys.core.mesh
-  prog = shard_program(plan, mesh, mask=mask, scale=args.scale, impl=impl, has_segments=bool(segs),
-                       reorder=reorder)
+  # jit: called outside a traced program a shard_map runs eagerly, one compiled program per
+  # primitive; inside one (a jitted model) this jit is inlined.
+  prog = jax.jit(shard_program(plan, mesh, mask=mask, scale=args.scale, impl=impl,
+                               has_segments=bool(segs), reorder=reorder))
   spec4, spec2 = _seq_spec(plan, 4), _seq_spec(plan, 2)
   out = prog(*(place(t, spec4, mesh) for t in (q, k, v)), *(place(t, spec2, mesh) for t in segs))
   if target == s:

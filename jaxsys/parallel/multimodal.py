@@ -128,8 +128,9 @@ def reshard_to_llm(frame_tokens, text_embeds, send_idx, recv_pos, *, mesh, plan:
   mesh = program_mesh(mesh)  # Explicit axes: see jaxsys.core.mesh
   ins = [place(t, sp, mesh) for t, sp in zip((frame_tokens, text_embeds, send_idx, recv_pos),
                                              (seq3, seq3, route, route))]
-  return jax.shard_map(body, mesh=mesh, in_specs=(seq3, seq3, route, route), out_specs=seq3,
-                       check_vma=False)(*ins)
+  # jit: an eager shard_map runs one compiled program per primitive (inlined under an outer jit).
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq3, seq3, route, route),
+                               out_specs=seq3, check_vma=False))(*ins)
 
 
 def _single_device(send_idx, recv_pos):
