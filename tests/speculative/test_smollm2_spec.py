@@ -4,14 +4,13 @@ chat prompts.
 
 The drafter is trained for a few steps on the model's own greedy responses to these prompts, so
 that drafts are partly accepted (commit of accepted paths) and partly rejected (rollback). Short
-responses keep the test small; it shares the xdist group "smollm2" with tests/models/test_smollm2.py
-and skips the same way when the model is not installed (``jaxsys fetch smollm2-135m-instruct``).
+responses keep the test small. The model is the session fixture ``smollm2`` (tests/conftest.py: its
+xdist group, and the skip when the model is not installed).
 """
 
 import pytest
 from flax import nnx
 
-import jaxsys.models as M
 from jaxsys.models import pretrained as P
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter, top_token_ids
 from jaxsys.serving.generation import default_stop_tokens, generate
@@ -19,7 +18,6 @@ from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 
-NAME = "smollm2-135m-instruct"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three primary colors.", "Count from one to ten.", "Name two planets.",
            "What is 12 plus 7?", "Say hello in Spanish.", "Give one word that rhymes with cat."]
@@ -28,10 +26,8 @@ CHAIN, TREE = Strategy.chain(3), Strategy(3, 2, 5)
 
 
 @pytest.fixture(scope="module")
-def smol_spec():
-  if P.find(NAME) is None:
-    pytest.skip(f"SmolLM2-135M-Instruct is not installed: run `jaxsys fetch {NAME}`")
-  model, tok = M.load_pretrained(NAME)
+def smol_spec(smollm2):
+  model, tok = smollm2
   prompts = [P._chat_ids(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
   stops = default_stop_tokens(model.config, tok)
   ref = generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=stops).tokens
