@@ -1,6 +1,8 @@
 """Losslessness on the real SmolLM2-135M-Instruct: greedy speculative decoding (chain and tree, a
-reduced draft vocabulary) equals the decoding core's greedy ``generate``, token for token, on 8
-chat prompts.
+reduced draft vocabulary) equals the engine's vanilla greedy decode, token for token, on 8 chat
+prompts (that the vanilla path is the decoding core's greedy ``generate`` is tested on the tiny
+model, tests/speculative/test_lossless_greedy.py; a second 30-layer compile here would double
+the test's time).
 
 The drafter is trained for a few steps on the model's own greedy responses to these prompts, so
 that drafts are partly accepted (commit of accepted paths) and partly rejected (rollback). Short
@@ -13,7 +15,7 @@ from flax import nnx
 
 from jaxsys.models import pretrained as P
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter, top_token_ids
-from jaxsys.serving.generation import default_stop_tokens, generate
+from jaxsys.serving.generation import default_stop_tokens
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
@@ -30,7 +32,6 @@ def smol_spec(smollm2):
   model, tok = smollm2
   prompts = [P._chat_ids(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
   stops = default_stop_tokens(model.config, tok)
-  ref = generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=stops).tokens
   drafter = EagleDrafter(DrafterConfig.for_target(model.config, draft_vocab=1024), rngs=nnx.Rngs(0))
   engine = RolloutEngine(model, drafter, RolloutConfig(
       strategies=(CHAIN, TREE), max_new=MAX_NEW, max_prompt=max(map(len, prompts)),
@@ -43,13 +44,14 @@ def smol_spec(smollm2):
   trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=64)
   trainer.train(model, buffer, steps=30)
   engine.set_drafter(trainer.state)
-  return engine, prompts, ref, res
+  return engine, prompts, res
 
 
 @pytest.mark.xdist_group("smollm2")
 def test_smollm2_greedy_speculative_equals_vanilla(smol_spec):
-  engine, prompts, ref, vanilla = smol_spec
-  assert vanilla.tokens == ref  # the engine's vanilla path is the decoding core's greedy decode
+  engine, prompts, vanilla = smol_spec
+  ref = vanilla.tokens
+  assert sum(map(len, ref)) > len(ref)  # real responses, not an immediate stop
   for strategy in (CHAIN, TREE):
     res = engine.generate(prompts, force_strategy=strategy)
     assert res.tokens == ref, strategy.name
