@@ -33,34 +33,24 @@ from jaxsys.core.results import Row, run_dir, write_result
 NAME = "tlt"
 MODEL = "smollm2-135m-instruct"
 
+
+
 def _config() -> dict:
   return dict(temperature=0.7, max_new=160, warm_rollouts=4, warm_batch=8, warm_steps=100,
               draft_vocab=4096, batches=(1, 2, 4, 8), repeats=2, chain=(4, 1, 5), tree=(4, 2, 5),
               items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0)
 
 
-def _sampler(tok, cfg):
-  from jaxsys.rl import chat_tasks
-  return chat_tasks.ChatTaskSampler(tok, items=cfg["items"])
-
-
-def _prompts(tok, n: int, rng, *, long_only: bool = False) -> list[list[int]]:
-  """``jaxsys.rl.chat_tasks`` prompts: the default long-tailed mixture (truncated-Zipf sizes), or
-  ``long_only`` count / repeat tasks of 24-48 items (the long tail the speedup rows decode)."""
+def _prompts(sampler, n: int, rng, *, long_only: bool = False) -> list[list[int]]:
+  """Prompts of a ``jaxsys.rl.chat_tasks.ChatTaskSampler``: its long-tailed mixture
+  (truncated-Zipf sizes), or ``long_only`` count / repeat tasks of 24-48 items (the long tail the
+  speedup rows decode)."""
   from jaxsys.rl import chat_tasks
   if long_only:
     return [list(chat_tasks.make_example(str(rng.choice(["count", "repeat"])), rng,
-                                         int(rng.integers(24, 49)), tok).prompt) for _ in range(n)]
-  return [list(e.prompt) for e in _sampler(tok, _config()).sample(n, rng)]
-
-
-def _best(fn, reps: int) -> float:
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best
+                                         int(rng.integers(24, 49)), sampler.tokenizer).prompt)
+            for _ in range(n)]
+  return [list(e.prompt) for e in sampler.sample(n, rng)]
 
 
 def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
@@ -69,6 +59,7 @@ def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
   import jax
   import jax.numpy as jnp
   from flax import nnx
+  from jaxsys.core.bench import time_interleaved
   from jaxsys.decoding.cache import KVCache
   from jaxsys.speculative import forward as fwd
   gdef, state = nnx.split(model)
@@ -80,16 +71,10 @@ def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
   cache = KVCache.init(model.config, 1, cache_len + 8).with_lengths(jnp.full((1,), cache_len, jnp.int32))
   args = {}
   for t in (1, 5):
-    args[t] = (jnp.ones((1, t), jnp.int32), cache_len + jnp.arange(t, dtype=jnp.int32)[None],
-               jnp.tril(jnp.ones((t, t), bool))[None])
-    f(state, cache, *args[t]).block_until_ready()
-  best = {1: float("inf"), 5: float("inf")}
-  for _ in range(reps):
-    for t in (1, 5):
-      t0 = time.perf_counter()
-      f(state, cache, *args[t]).block_until_ready()
-      best[t] = min(best[t], time.perf_counter() - t0)
-  return best[1], best[5]
+    args[t] = (state, cache, jnp.ones((1, t), jnp.int32),
+               cache_len + jnp.arange(t, dtype=jnp.int32)[None], jnp.tril(jnp.ones((t, t), bool))[None])
+  times = time_interleaved({t: (f, args[t]) for t in (1, 5)}, rounds=reps)
+  return times[1].min, times[5].min
 
 
 def run(out_dir: str) -> list[Row]:
@@ -97,9 +82,11 @@ def run(out_dir: str) -> list[Row]:
   from flax import nnx
 
   from experiments import real_lm
+  from jaxsys.core.bench import time_fn
   from jaxsys.decoding.sampling import GREEDY, SamplingParams
   from jaxsys.models import load_pretrained
   from jaxsys.models.drafter import DrafterConfig, EagleDrafter, drafter_loss, top_token_ids
+  from jaxsys.rl.chat_tasks import ChatTaskSampler
   from jaxsys.serving.generation import default_stop_tokens, generate
   from jaxsys.speculative import online
   from jaxsys.speculative.bandit import Strategy
@@ -115,14 +102,15 @@ def run(out_dir: str) -> list[Row]:
   rng = np.random.default_rng(cfg["seed"])
   rows: list[Row] = []
   log: dict = {}
+  sampler = ChatTaskSampler(tok, items=cfg["items"])
 
   # ---- 1) regime --------------------------------------------------------------------------
-  probe = _prompts(tok, 1, np.random.default_rng(1), long_only=True)
+  probe = _prompts(sampler, 1, np.random.default_rng(1), long_only=True)
   n_short, n_long = 32, 128
   for n in (n_short, n_long):  # compile both lengths' loops
     generate(model, probe, max_new_tokens=n, stop_tokens=())
-  t_short = _best(lambda: generate(model, probe, max_new_tokens=n_short, stop_tokens=()), 3)
-  t_long = _best(lambda: generate(model, probe, max_new_tokens=n_long, stop_tokens=()), 3)
+  t_short, t_long = (time_fn(generate, model, probe, max_new_tokens=n, stop_tokens=(), warmup=0,
+                             iters=3).min for n in (n_short, n_long))
   step_s = (t_long - t_short) / (n_long - n_short)
   bw = real_lm.read_bandwidth(1.0, 3)["xla"]
   wbytes = real_lm._param_bytes(model)
@@ -151,7 +139,7 @@ def run(out_dir: str) -> list[Row]:
   # ---- 2) rollouts and drafter warm-up ------------------------------------------------------
   sampling = SamplingParams(cfg["temperature"])
   chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
-  max_prompt = _sampler(tok, cfg).max_prompt  # the longest prompt of the task mixture
+  max_prompt = sampler.max_prompt  # the longest prompt of the task mixture
   base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=max_prompt,
               stop_tokens=stops, batch_buckets=cfg["batches"], spec_threshold=8, sampling=sampling,
               fused=True, compilation_cache_dir=str(out / "xla_cache"))
@@ -163,7 +151,7 @@ def run(out_dir: str) -> list[Row]:
   lengths, seqs, plens = [], [], []
   t0 = time.perf_counter()
   for k in range(cfg["warm_rollouts"]):
-    res = roll.generate(_prompts(tok, cfg["warm_batch"], rng), seed=100 + k)
+    res = roll.generate(_prompts(sampler, cfg["warm_batch"], rng), seed=100 + k)
     buffer.add(k, res.sequences, res.features, res.prompt_lengths)
     lengths += [len(t) for t in res.tokens]
     seqs += res.sequences
@@ -176,7 +164,7 @@ def run(out_dir: str) -> list[Row]:
                        minlength=mc.vocab_size)
   coverage = float(counts[ids].sum() / counts.sum())
   heldout = online.DrafterBuffer(max_steps=1, seed=1)
-  r_ho = roll.generate(_prompts(tok, cfg["warm_batch"], np.random.default_rng(99)), seed=7)
+  r_ho = roll.generate(_prompts(sampler, cfg["warm_batch"], np.random.default_rng(99)), seed=7)
   heldout.add(0, r_ho.sequences, r_ho.features, r_ho.prompt_lengths)
   seq_len = 1 << (max_prompt + cfg["max_new"] - 1).bit_length()
   trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=seq_len)
@@ -206,7 +194,7 @@ def run(out_dir: str) -> list[Row]:
              "full": RolloutEngine(model, full, RolloutConfig(**base), pool=pool)}
   curve = {"batch": []}
   for b in cfg["batches"]:
-    prompts = _prompts(tok, b, np.random.default_rng(10 + b), long_only=True)
+    prompts = _prompts(sampler, b, np.random.default_rng(10 + b), long_only=True)
     runs = [("vanilla", "reduced", None), ("chain", "reduced", chain), ("tree", "reduced", tree)]
     if b == 1:
       runs += [("chain", "full", chain), ("tree", "full", tree)]
@@ -241,7 +229,7 @@ def run(out_dir: str) -> list[Row]:
                     note="engine figure includes its prefill; speedup rows use the engine's vanilla"))
 
   # ---- 4) greedy losslessness -------------------------------------------------------------
-  lp = _prompts(tok, cfg["n_lossless"], np.random.default_rng(5))
+  lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(5))
   ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
   gbase = dict(base, sampling=GREEDY, max_new=cfg["lossless_new"], batch_buckets=(cfg["n_lossless"],))
   same = 0
