@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from jaxsys.core.results import Row, write_result
+from jaxsys.data.synthetic import passkey_prompts
 
 NAME = "real_lm"
 MODEL = "smollm2-135m-instruct"
@@ -289,20 +290,6 @@ def _prefill(ctx, quick: bool) -> list[Row]:
                     goal=">= 1" if n == 4096 and llm is not None else None,
                     note=None if llm is not None else _NO_LLAMA))
   return rows
-
-
-def passkey_prompts(tokenizer, target: int, seeds) -> list[tuple[list[int], str]]:
-  """Plain-text passkey prompts of about ``target`` tokens ending in "The pass key is"."""
-  from jaxsys.data import passkey_text
-
-  def ids(seed, n):
-    doc, key = passkey_text(seed, n)
-    return tokenizer.encode(doc + "\nWhat is the pass key? The pass key is", add_special_tokens=False), key
-
-  per = (len(ids(0, 20)[0]) - len(ids(0, 10)[0])) / 10    # tokens per filler sentence
-  fixed = len(ids(0, 10)[0]) - 10 * per
-  n = max(1, int((target - fixed) // per))
-  return [ids(s, n) for s in seeds]
 
 
 def _passkey(ctx, quick: bool) -> list[Row]:

@@ -35,7 +35,8 @@ import numpy as np
 from jaxsys.core.errors import ConfigError
 
 __all__ = [
-    "detokenize", "Example", "examples", "make_example", "PASSKEY_FILLER", "passkey_text", "reward",
+    "detokenize", "Example", "examples", "make_example", "PASSKEY_FILLER", "passkey_prompts",
+    "passkey_text", "reward",
     "save_tokenizer", "TASKS", "token_names", "training_batch", "Vocab", "VOCAB",
 ]
 
@@ -290,3 +291,18 @@ def passkey_text(seed: int, n_filler: int, *, depth: float | None = None,
   head = ("There is an important piece of information hidden inside a lot of irrelevant text. "
           "Find it and memorize it. I will quiz you about it.")
   return " ".join([head, *parts]), key
+
+
+def passkey_prompts(tokenizer, target: int, seeds) -> list[tuple[list[int], str]]:
+  """Plain-text passkey prompts of about ``target`` tokens ending in "The pass key is", one per
+  seed: ``[(prompt ids, key)]``. The filler count comes from the tokenizer's own cost of a filler
+  sentence (measured on two documents), so every seed's prompt has the same number of sentences."""
+
+  def ids(seed, n):
+    doc, key = passkey_text(seed, n)
+    return tokenizer.encode(doc + "\nWhat is the pass key? The pass key is", add_special_tokens=False), key
+
+  per = (len(ids(0, 20)[0]) - len(ids(0, 10)[0])) / 10    # tokens per filler sentence
+  fixed = len(ids(0, 10)[0]) - 10 * per
+  n = max(1, int((target - fixed) // per))
+  return [ids(s, n) for s in seeds]

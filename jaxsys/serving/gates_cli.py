@@ -70,17 +70,9 @@ def distillation_data(n: int, length: int, seed: int = 0, tokenizer=None, task: 
 
 
 def _text_passkey(tokenizer, length: int, seeds) -> list[tuple[list[int], list[int]]]:
-  from jaxsys.data import passkey_text  # noqa: PLC0415
-
-  def pair(seed, n_filler):
-    doc, key = passkey_text(seed, n_filler)
-    prompt = tokenizer.encode(doc + "\nWhat is the pass key? The pass key is", add_special_tokens=False)
-    return prompt, tokenizer.encode(" " + key, add_special_tokens=False)
-
-  per = (len(pair(0, 20)[0]) - len(pair(0, 10)[0])) / 10  # tokens per filler sentence
-  fixed = len(pair(0, 10)[0]) - 10 * per
-  n_filler = max(1, int((length - fixed) // per))
-  return [pair(s, n_filler) for s in seeds]
+  from jaxsys.data import passkey_prompts  # noqa: PLC0415
+  return [(prompt, tokenizer.encode(" " + key, add_special_tokens=False))
+          for prompt, key in passkey_prompts(tokenizer, length, seeds)]
 
 
 def main(argv=None) -> int:
