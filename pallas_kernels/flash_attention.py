@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["BACKENDS", "BlockSizes", "flash_attention", "KernelConfig"]
+__all__ = ["BACKENDS", "BlockSizes", "check_kv_cells", "flash_attention", "KernelConfig",
+           "layout_cells"]
 
 _F32 = jnp.float32
 BACKENDS = ("triton", "mosaic")
@@ -48,6 +50,117 @@ class BlockSizes:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
+
+  @classmethod
+  def for_mask(cls, mask, *, q_len: int, kv_len: int, backend: str = "triton") -> "BlockSizes":
+    """Tiles that follow the mask's structure (``mask.granularity``, as
+    ``jaxsys.ops.attn.xla.XlaBlockSizes.for_mask``), within what the backend's lowering accepts.
+
+    ``mask`` is a ``jaxsys.ops.masks.Mask`` (or None); its ``BlockSparse`` nodes (found through
+    ``.masks`` / ``.token_mask``) constrain the tiles: every q tile sits inside one layout row,
+    every kv tile inside one layout column or over whole columns (the kernel then masks the
+    columns inside the tile from per-visit bits). The target tile is ``granularity`` capped at
+    128 (the default), clipped to short lengths:
+
+    ==========  =====================================  =======================================
+    backend     block_q                                block_k
+    ==========  =====================================  =======================================
+    triton      power of two, 16..128, divides every   power of two, 16..128, divides every
+    (cuda)      layout block_q; ``next_pow2(q_len)``   layout block_k (or, for cells < 16, is
+                for short queries                      a multiple of them); short kv likewise
+    mosaic      multiple of 8 (sublanes), <= 128,      128: the lane dim of the ``[1, bk]``
+    (tpu)       divides every layout block_q; the      kv-segment block and of the ``[bq, bk]``
+                smallest such divisor >= q_len for     score tile; the TPU lowering rejects
+                short queries                          other sizes. Layout block_k must divide
+                                                       128 or be a multiple of it.
+    ==========  =====================================  =======================================
+
+    Examples (q_len = kv_len = 4096): dense / Causal -> 128 x 128 on both; BlockSparse of 64-
+    token blocks (and Local windows < 1024 keys: granularity 64) -> 64 x 64 on triton (every
+    skipped layout block is a skipped tile), 64 x 128 on mosaic (a 128-key tile is visited when
+    either of its two layout columns is; the other is masked); BlockSparse 256 -> 128 x 128.
+    Mosaic's lowering checks only the ``% 8`` / ``% 128`` rule (``jax.export`` for "tpu"
+    accepts ``block_q`` = 8, 16, 40, ...); bf16 packs 16 rows per vreg, so multiples of 16 waste
+    less. Raises ``NotImplementedError`` when no tile meets a layout's cells on that backend.
+    """
+    if backend not in BACKENDS:
+      raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    g = None if mask is None else mask.granularity
+    target = cls.block_q if g is None else min(cls.block_q, g)
+    cells_q, cells_k = layout_cells(mask)
+    bq = _q_tile(target, cells_q, q_len, backend)
+    if backend == "mosaic":
+      bk = _MOSAIC_LANES
+    else:
+      bk = _pow2_floor(target)
+      if cells_k:  # the largest power of two dividing every layout block_k
+        common = math.gcd(*cells_k)
+        bk = min(bk, common & -common)
+      bk = max(bk, _TRITON_MIN)
+      bk = min(bk, max(_TRITON_MIN, _next_pow2(kv_len)))
+    check_kv_cells(bk, cells_k, backend)
+    return cls(bq, bk)
+
+
+_TRITON_MIN = 16     # smallest Triton dot operand dim
+_MOSAIC_SUBLANES = 8
+_MOSAIC_LANES = 128
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _pow2_floor(x: int) -> int:
+  return 1 << (int(x).bit_length() - 1)
+
+
+def layout_cells(mask) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """``(block_q's, block_k's)`` of the BlockSparse layouts inside ``mask`` (duck-typed walk)."""
+  qs, ks = [], []
+
+  def walk(m):
+    if m is None:
+      return
+    if hasattr(m, "layout") and hasattr(m, "block_q") and hasattr(m, "block_k"):
+      qs.append(int(m.block_q))
+      ks.append(int(m.block_k))
+      walk(getattr(m, "token_mask", None))
+    for child in getattr(m, "masks", ()):
+      walk(child)
+  walk(mask)
+  return tuple(qs), tuple(ks)
+
+
+def _q_tile(target: int, cells_q, q_len: int, backend: str) -> int:
+  """Largest allowed q tile <= target dividing every layout block_q, shrunk for short queries."""
+  if backend == "triton":
+    ok = lambda t: t >= _TRITON_MIN and t & (t - 1) == 0
+  else:
+    ok = lambda t: t % _MOSAIC_SUBLANES == 0
+  divides = lambda t: all(c % t == 0 for c in cells_q)
+  fits = [t for t in range(target, 0, -1) if ok(t) and divides(t)]
+  if not fits:
+    rule = ("a power of two >= 16" if backend == "triton" else "a multiple of 8")
+    raise NotImplementedError(
+        f"BlockSparse block_q {sorted(set(cells_q))} has no common divisor that is {rule} (the "
+        f"{backend} tile rule) and <= {target}")
+  bq = fits[0]
+  if q_len < bq:  # one tile covers the queries: the smallest allowed one that does
+    bq = min(t for t in range(q_len, bq + 1) if ok(t) and divides(t))
+  return bq
+
+
+def check_kv_cells(block_k: int, cells_k, backend: str):
+  """Each BlockSparse block_k must divide ``block_k`` or be a multiple of it."""
+  bad = sorted({c for c in cells_k if c % block_k and block_k % c})
+  if bad:
+    raise NotImplementedError(
+        f"BlockSparse block_k {bad} must divide {block_k=} or be a multiple of it ({backend} "
+        f"kv tiles are {'multiples of 128' if backend == 'mosaic' else 'powers of two >= 16'})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,7 +9,7 @@ import pytest
 from jax import export
 
 from jaxsys.ops import attention, masks as M
-from jaxsys.ops.attn import common, pallas as P, reference
+from jaxsys.ops.attn import common, layout as layout_lib, pallas as P, reference, xla
 from pallas_kernels import flash_attention as fa
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -95,6 +95,96 @@ def test_block_sizes_validated():
                     block_k=16, scale=1.0, q_len=16, kv_len=16, visible_fn=None, backend="cuda")
 
 
+# ----------------------------------------------------------------------------- tiles from the mask
+
+
+def _sparse(cell, n=512, seed=3, token_mask=None):
+  lay = np.random.RandomState(seed).rand(1, n // cell, n // cell) < 0.4
+  lay[:, np.arange(n // cell), np.arange(n // cell)] = True   # every query sees its own block
+  return M.BlockSparse(lay, cell, cell, token_mask)
+
+
+_FOR_MASK = {
+    # name: (mask, q_len, kv_len, triton (bq, bk), mosaic (bq, bk))
+    "dense": (None, 4096, 4096, (128, 128), (128, 128)),
+    "causal": (M.Causal(), 4096, 4096, (128, 128), (128, 128)),
+    "sparse64": (_sparse(64), 512, 512, (64, 64), (64, 128)),
+    "sparse128": (_sparse(128), 512, 512, (128, 128), (128, 128)),
+    "sparse256": (_sparse(256), 512, 512, (128, 128), (128, 128)),
+    "sparse32_causal": (_sparse(32, token_mask=M.Causal()), 512, 512, (32, 32), (32, 128)),
+    "rect_64x256": (M.BlockSparse(np.ones((1, 8, 2), bool), 64, 256), 512, 512, (64, 64),
+                    (64, 128)),
+    "local_short_window": (M.Sink(4) | M.Local(100), 4096, 4096, (64, 64), (64, 128)),
+    "local_long_window": (M.Local(4096), 4096, 4096, (128, 128), (128, 128)),
+    "ragged_lengths": (M.Causal(), 37, 300, (64, 128), (40, 128)),
+    "ragged_sparse64": (M.BlockSparse(np.ones((1, 1, 5), bool), 64, 64), 37, 300, (64, 64),
+                        (64, 128)),
+    "decode": (M.Causal(), 1, 1000, (16, 128), (8, 128)),
+    "short_kv": (M.Causal(), 100, 20, (128, 32), (104, 128)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FOR_MASK))
+def test_block_sizes_for_mask(name):
+  mask, tq, tk, tri, mos = _FOR_MASK[name]
+  for backend, want in (("triton", tri), ("mosaic", mos)):
+    got = fa.BlockSizes.for_mask(mask, q_len=tq, kv_len=tk, backend=backend)
+    assert (got.block_q, got.block_k) == want, backend
+
+
+def test_block_sizes_for_mask_errors():
+  with pytest.raises(NotImplementedError, match=r"block_q \[8\].*power of two"):
+    fa.BlockSizes.for_mask(_sparse(8, n=64), q_len=64, kv_len=64, backend="triton")
+  # Mosaic takes 8-row q tiles but its kv tile is 128 keys, which 96-key columns do not tile.
+  with pytest.raises(NotImplementedError, match=r"block_k \[96\] must divide block_k=128"):
+    fa.BlockSizes.for_mask(M.BlockSparse(np.ones((1, 4, 4), bool), 64, 96), q_len=256,
+                           kv_len=384, backend="mosaic")
+  with pytest.raises(NotImplementedError, match="block_q"):  # 12: no multiple of 8 divides it
+    fa.BlockSizes.for_mask(M.BlockSparse(np.ones((1, 4, 4), bool), 12, 128), q_len=48,
+                           kv_len=512, backend="mosaic")
+  with pytest.raises(ValueError, match="backend"):
+    fa.BlockSizes.for_mask(None, q_len=8, kv_len=8, backend="cuda")
+  with pytest.raises(ValueError, match="q_len=0"):
+    fa.BlockSizes.for_mask(None, q_len=0, kv_len=8)
+
+
+def test_for_mask_skips_every_skipped_layout_block():
+  """Triton 64x64 tiles on a 64-token layout visit exactly the layout's visible blocks."""
+  mask = _sparse(64)
+  bq, bk = P._choose_blocks(None, mask, 512, 512, [mask], "triton")
+  lay = layout_lib.compile_layout(mask, heads=2, q_len=512, kv_len=512, block_q=bq, block_k=bk,
+                                  q_offset=0)
+  assert (bq, bk) == (64, 64) and np.array_equal(lay.cls != 0, mask.layout)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_interpret_matches_xla_at_64_token_layout(backend):
+  """Default tiles (for_mask) at a 64-granular layout: 64x64 on Triton, 64x128 on Mosaic (two
+  layout columns per kv tile, read from per-visit bits), forward and gradients vs the XLA twin."""
+  mask = _sparse(64, n=256, token_mask=M.Causal()) | M.Sink(3)
+  kw = {"mask": mask}
+  q, k, v, ct = _inputs(1, 256, 256, 2, 1, 16)
+
+  def run(impl):
+    def f(q, k, v):
+      args = common.validate(q, k, v, **kw)
+      if impl == "xla":
+        return xla.blockwise_attention(args)
+      return P.pallas_attention(args, backend=backend, interpret=True)
+
+    def g(q, k, v):
+      (out, lse), vjp = jax.vjp(f, q, k, v)
+      return out, lse, vjp((ct, jnp.zeros_like(lse)))
+    return jax.jit(g).lower(q, k, v).compile(_FAST)(q, k, v)
+
+  o_x, l_x, g_x = run("xla")
+  o, lse, g = run("pallas")
+  np.testing.assert_allclose(o, o_x, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(lse, l_x, atol=1e-5, rtol=1e-5)
+  for gname, a, b_ in zip(("dq", "dk", "dv"), g, g_x):
+    np.testing.assert_allclose(a, b_, atol=1e-4, rtol=1e-4, err_msg=gname)
+
+
 # ----------------------------------------------------------------------------- lowering
 
 
@@ -149,3 +239,13 @@ def _check_interpret_100():
   out = jax.jit(f).lower(q, k, v).compile(_FAST)(q, k, v)
   ref = reference.attention_reference(common.validate(q, k, v, mask=M.Causal()))[0]
   np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_kernel_lowers_at_64_token_layout(backend):
+  """Tiles from for_mask at a 64-granular layout (64x64 Triton, 64x128 Mosaic) lower with grads."""
+  mask = M.MultiHead([_sparse(64, token_mask=M.Causal()), M.Causal(), _sparse(64, seed=4),
+                      M.Sink(4) | M.Local(64)])
+  text = _export(backend, None, with_grad=True, seq=512, mask=mask)
+  for name in ("flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkdv"):
+    assert name in text, name

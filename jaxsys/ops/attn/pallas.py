@@ -4,9 +4,12 @@
 This wrapper compiles the mask to the kernel's block layout (``layout.py``), packs the visit
 tables, pads lengths / head_dim to the kernel's hardware-friendly sizes and calls
 ``pallas_kernels.flash_attention``. Token masks are evaluated in-kernel from the lazy mask;
-``BlockSparse`` layouts become per-block bits, which needs each kernel tile to sit inside one
-layout cell (layout block sizes divisible by the kernel's) — otherwise ``NotImplementedError``
-(and ``impl="auto"`` falls back to ``xla``).
+``BlockSparse`` layouts become per-visit bits: each kernel tile sits inside one layout row, and
+inside one layout column or over whole columns (a 128-key Mosaic tile over 64-key columns
+carries one bit per column) — otherwise ``NotImplementedError`` (and ``impl="auto"`` falls back
+to ``xla``). Without explicit block sizes the tiles follow the mask
+(``BlockSizes.for_mask``): a 64-token layout runs in 64-key tiles on Triton, so skipped layout
+blocks are skipped tiles.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jaxsys.core.dispatch import require_backend
@@ -43,13 +47,40 @@ def _sparse_nodes(mask, out=None) -> list[M.BlockSparse]:
   return out
 
 
-def _visible_fn(mask, nodes):
+def _bit_slots(nodes, block_k: int) -> list[tuple[int, int]]:
+  """``(first bit, columns)`` per BlockSparse node: a kv tile over ``c`` whole layout columns
+  carries ``c`` bits (column ``s`` of the tile at bit ``first + s``)."""
+  slots, first = [], 0
+  for n in nodes:
+    cols = block_k // n.block_k if block_k > n.block_k else 1
+    slots.append((first, cols))
+    first += cols
+  if first > 31:
+    raise NotImplementedError(
+        f"BlockSparse layouts need {first} bits per kernel block ({len(nodes)} masks, kv tile "
+        f"{block_k=} over layout block_k {[n.block_k for n in nodes]}); at most 31 fit")
+  return slots
+
+
+def _visible_fn(mask, nodes, slots):
   """``(qi, qpos, ki, head, bits) -> bool``: the mask with BlockSparse layouts read from bits."""
   ids = {id(n): t for t, n in enumerate(nodes)}
 
+  def layout_bit(m, ki, bits):
+    first, cols = slots[ids[id(m)]]
+    if cols == 1:
+      return ((bits >> first) & 1) == 1
+    # [1, bk] layout column inside the tile; ki >= 0, so truncating div/rem (floor division
+    # lowers through sign(), which Mosaic's lowering needs a TPU generation for)
+    col = lax.rem(lax.div(ki, jnp.int32(m.block_k)), jnp.int32(cols))
+    vis = jnp.zeros(ki.shape, bool)
+    for c in range(cols):  # scalar shifts only (no per-lane variable shift in the kernel)
+      vis = vis | ((col == c) & (((bits >> (first + c)) & 1) == 1))
+    return vis
+
   def ev(m, qi, qpos, ki, head, bits):
     if isinstance(m, M.BlockSparse):
-      vis = ((bits >> ids[id(m)]) & 1) == 1
+      vis = layout_bit(m, ki, bits)
       if m.token_mask is not None:
         vis = vis & ev(m.token_mask, qi, qpos, ki, head, bits)
       return vis
@@ -73,16 +104,23 @@ def _visible_fn(mask, nodes):
   return fn
 
 
-def _choose_blocks(bs: fa.BlockSizes, tq, tk, nodes, backend):
+def _choose_blocks(bs: fa.BlockSizes | None, mask, tq, tk, nodes, backend):
+  if bs is None:
+    bs = fa.BlockSizes.for_mask(mask, q_len=tq, kv_len=tk, backend=backend)
+    return bs.block_q, bs.block_k
+  # Explicit sizes, clipped to short lengths; each q tile inside one layout row, each kv tile
+  # inside one layout column or over whole columns (else shrunk to a common divisor).
   bq = min(bs.block_q, max(16, _next_pow2(tq)))
   bk = min(bs.block_k, max(16, _next_pow2(tk)))
-  for n in nodes:  # each kernel tile must sit inside one layout cell
+  for n in nodes:
     bq = math.gcd(bq, n.block_q)
-    bk = math.gcd(bk, n.block_k)
+    if bk % n.block_k:
+      bk = math.gcd(bk, n.block_k)
   if backend == "triton" and (bq < 16 or bk < 16):
     raise NotImplementedError(
         f"BlockSparse block sizes need a common power-of-two tile >= 16 (got block_q={bq}, "
         f"block_k={bk})")
+  fa.check_kv_cells(bk, [n.block_k for n in nodes], backend)
   return bq, bk
 
 
@@ -99,21 +137,22 @@ def _pack(cls_tables, bits):
   return tab, v
 
 
-def _block_bits(nodes, lay: layout_lib.BlockLayout):
-  """int32 ``[Ht, n, nk or nq]`` bit t = layout of BlockSparse node t at each kernel block."""
+def _block_bits(nodes, slots, lay: layout_lib.BlockLayout):
+  """int64 ``[Ht, nq, nk]``: the layout bits of every BlockSparse node at each kernel block."""
   nq, nk = lay.num_q_blocks, lay.num_k_blocks
   ht = lay.cls.shape[0]
   bits = np.zeros((ht, nq, nk), np.int64)
   qb = np.arange(nq) * lay.block_q
   kb = np.arange(nk) * lay.block_k
-  for t, n in enumerate(nodes):
+  for n, (first, cols) in zip(nodes, slots):
     L = n.layout
     a = np.clip(qb // n.block_q, 0, L.shape[1] - 1)
-    c = np.clip(kb // n.block_k, 0, L.shape[2] - 1)
-    val = L[:, a][:, :, c].astype(np.int64)                    # [H_n, nq, nk]
-    if val.shape[0] != ht:
-      val = np.broadcast_to(val[:1] if ht == 1 else val, (ht, nq, nk))
-    bits |= val << t
+    for s in range(cols):
+      c = np.clip(kb // n.block_k + s, 0, L.shape[2] - 1)
+      val = L[:, a][:, :, c].astype(np.int64)                  # [H_n, nq, nk]
+      if val.shape[0] != ht:
+        val = np.broadcast_to(val[:1] if ht == 1 else val, (ht, nq, nk))
+      bits |= val << (first + s)
   return bits
 
 
@@ -121,14 +160,14 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
                      backend: str = "triton", interpret: bool = False, num_warps: int = 4,
                      num_stages: int = 2):
   """``(out [b, q, h, dv], lse [b, h, q])`` via the Pallas kernel."""
-  bs = block_sizes or fa.BlockSizes()
   q, k, v = args.q, args.k, args.v
   b, tq, h, d = q.shape
   tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   nodes = _sparse_nodes(args.mask)
   if len(nodes) > 31:
     raise NotImplementedError(f"at most 31 BlockSparse masks per call, got {len(nodes)}")
-  bq, bk = _choose_blocks(bs, tq, tk, nodes, backend)
+  bq, bk = _choose_blocks(block_sizes, args.mask, tq, tk, nodes, backend)
+  slots = _bit_slots(nodes, bk)
   lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
                                   block_k=bk, q_offset=args.static_offset)
   cls = lay.cls
@@ -136,7 +175,7 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
     cls = np.where(cls == layout_lib.FULL, layout_lib.PARTIAL, cls).astype(np.int8)
   lay = layout_lib.BlockLayout(cls, bq, bk, tq, tk)
   tables, tables_t = lay.tables, lay.transposed_tables
-  bits = _block_bits(nodes, lay)                                     # [Ht, nq, nk]
+  bits = _block_bits(nodes, slots, lay)                                     # [Ht, nq, nk]
   bits_g = np.take_along_axis(bits, tables[0], axis=-1)
   bits_t = np.take_along_axis(np.swapaxes(bits, 1, 2), tables_t[0], axis=-1)
   tab, v_fwd = _pack(tables, bits_g)
@@ -154,7 +193,7 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
   dv_p = max(16, _next_pow2(dv)) if backend == "triton" else dv
   cfg = fa.KernelConfig(heads=h, kv_heads=hk, table_heads=cls.shape[0], visits=v_fwd,
                         visits_t=v_bwd, block_q=bq, block_k=bk, scale=args.scale, q_len=tq,
-                        kv_len=tk, visible_fn=_visible_fn(args.mask, nodes), backend=backend,
+                        kv_len=tk, visible_fn=_visible_fn(args.mask, nodes, slots), backend=backend,
                         interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
   def prep(x, length, dim):  # [b, t, heads, d] -> [b, heads, T, D] zero padded
