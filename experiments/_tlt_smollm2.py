@@ -8,7 +8,7 @@ instructions). Measures:
 
 1. the regime row: the batch-1 decode step of the decoding core's ``generate`` (on-device loop,
    per-step cost from two lengths, so the prefill cancels) beside weight bytes / measured read
-   bandwidth (``experiments.real_lm.read_bandwidth``) and llama.cpp when ``llama_cpp`` imports;
+   bandwidth (``jaxsys.core.bench.read_bandwidth``) and llama.cpp when ``llama_cpp`` imports;
    the 5-token verify / 1-token forward ratio at batch 1 (``speculative.forward.target_tree_forward``
    over a 256-token cache); the longest rollout response relative to the median;
 2. an EAGLE drafter warmed up on the policy's own sampled rollouts (``online.DrafterTrainer``,
@@ -82,7 +82,7 @@ def run(out_dir: str) -> list[Row]:
   from flax import nnx
 
   from experiments import real_lm
-  from jaxsys.core.bench import time_fn
+  from jaxsys.core.bench import read_bandwidth, time_fn
   from jaxsys.decoding.sampling import GREEDY, SamplingParams
   from jaxsys.models import load_pretrained
   from jaxsys.models.drafter import DrafterConfig, EagleDrafter, drafter_loss, top_token_ids
@@ -112,7 +112,7 @@ def run(out_dir: str) -> list[Row]:
   t_short, t_long = (time_fn(generate, model, probe, max_new_tokens=n, stop_tokens=(), warmup=0,
                              iters=3).min for n in (n_short, n_long))
   step_s = (t_long - t_short) / (n_long - n_short)
-  bw = real_lm.read_bandwidth(1.0, 3)["xla"]
+  bw = read_bandwidth(1.0, 3)["xla"]
   wbytes = real_lm._param_bytes(model)
   bound_s = wbytes / bw
   llama_note = "llama.cpp: llama_cpp does not import here (not installed), not measured"

@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from jaxsys.core.bench import read_bandwidth
 from jaxsys.core.results import Row, write_result
 from jaxsys.data.synthetic import passkey_prompts
 
@@ -49,20 +50,6 @@ _NO_LLAMA = "llama.cpp not measured: pip install 'jaxsys[bench]' (llama-cpp-pyth
 
 def _threads() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def read_bandwidth(gib: float = 1.0, iters: int = 5) -> dict[str, float]:
-  """Bytes/s of a jitted XLA sum over ``gib`` GiB of f32 (rows of 256, so XLA splits it over
-  all cores), best of ``iters``; and numpy's single-threaded sum of the same buffer."""
-  import jax
-  import jax.numpy as jnp
-  x = jnp.ones((int(gib * (1 << 30)) // (4 * 256), 256), jnp.float32)
-  f = jax.jit(lambda a: jnp.sum(a, axis=1))
-  f(x).block_until_ready()
-  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(iters))
-  xn = np.asarray(x)
-  best_np = min(_timed(xn.sum) for _ in range(2))
-  return {"xla": x.nbytes / best, "numpy": x.nbytes / best_np}
 
 
 def _timed(fn) -> float:

@@ -18,7 +18,7 @@ import jax
 
 __all__ = [
     "BACKEND_COMPILES", "block", "compile_count", "compiled_memory", "count_trace", "hardware_string",
-    "matmul_peak_gflops", "time_fn", "time_interleaved", "Timing", "TRACE_COUNTS", "watch_compiles",
+    "matmul_peak_gflops", "read_bandwidth", "time_fn", "time_interleaved", "Timing", "TRACE_COUNTS", "watch_compiles",
 ]
 
 
@@ -91,6 +91,27 @@ def matmul_peak_gflops(n: int = 1024, dtype="float32", iters: int = 5) -> float:
   f = jax.jit(lambda x: x @ x)
   t = time_fn(f, a, iters=iters)
   return 2 * n**3 / t.min / 1e9
+
+
+def read_bandwidth(gib: float = 1.0, iters: int = 5) -> dict[str, float]:
+  """Measured memory read bandwidth in bytes/s: the roofline of bandwidth-bound ops (decode).
+
+  ``"xla"``: a jitted row sum over ``gib`` GiB of f32 (rows of 256, so XLA splits it over all
+  cores), best of ``iters``; ``"numpy"``: numpy's single-threaded sum of the same buffer, best
+  of 2. Use a buffer well above the last-level cache (the default 1 GiB) for DRAM bandwidth.
+  """
+  import jax.numpy as jnp
+  import numpy as np
+  if gib <= 0 or iters < 1:
+    from jaxsys.core.errors import ConfigError
+    raise ConfigError(f"{gib=} must be > 0 and {iters=} >= 1")
+  rows = max(1, int(gib * (1 << 30)) // (4 * 256))
+  x = jnp.ones((rows, 256), jnp.float32)
+  f = jax.jit(lambda a: jnp.sum(a, axis=1))
+  best = time_fn(f, x, warmup=1, iters=iters).min
+  xn = np.asarray(x)
+  best_np = time_fn(xn.sum, warmup=0, iters=2).min
+  return {"xla": x.nbytes / best, "numpy": x.nbytes / best_np}
 
 
 def hardware_string() -> str:

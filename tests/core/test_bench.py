@@ -1,4 +1,5 @@
-"""core.bench.time_interleaved: warm-up first, round-robin order, one Timing per label."""
+"""core.bench: time_interleaved (warm-up first, round-robin order, one Timing per label),
+compile counting and the read-bandwidth probe."""
 
 import jax.numpy as jnp
 import pytest
@@ -61,3 +62,15 @@ def test_compile_count_sees_new_shapes_only():
   f(jnp.ones(5))  # a new shape retraces and recompiles
   assert compile_count() > n1 and TRACE_COUNTS["test_bench.f"] == t0 + 2
   assert TRACE_COUNTS[BACKEND_COMPILES] == compile_count()
+
+
+def test_read_bandwidth_reports_both_probes():
+  import math
+
+  from jaxsys.core.bench import read_bandwidth
+
+  bw = read_bandwidth(1 / 256, iters=2)  # 4 MiB: semantics only, not a DRAM figure
+  assert set(bw) == {"xla", "numpy"}
+  assert all(math.isfinite(v) and v > 0 for v in bw.values())
+  with pytest.raises(ConfigError, match="gib"):
+    read_bandwidth(0)
