@@ -188,13 +188,16 @@ def paged_decode_xla(q, k_pages, v_pages, page_indices, page_numbers, lengths, *
     r, n = x
     ks = _gather(k_pages, k_scales, r.reshape(-1), (b, hk, c * p, d))  # [b, hk, tokens, d]
     vs = _gather(v_pages, v_scales, r.reshape(-1), (b, hk, c * p, d))
-    s = jnp.einsum("bhgd,bhtd->bhgt", qg, ks, preferred_element_type=jnp.float32) * scale
-    vis = visible_tokens(n, lengths, p, sink, window).reshape(b, hk, 1, c * p)
+    # Scores as [tokens, group] with the pages as the dot's left operand: XLA:CPU runs this
+    # 2x faster than q @ k^T (the scores alone over contiguous keys at 16K, 8 kv heads, group
+    # 4, d=128: 8.0 vs 15.6 ms; the whole op 111 vs 126 ms at 64K).
+    s = jnp.einsum("bhtd,bhgd->bhtg", ks, qg, preferred_element_type=jnp.float32) * scale
+    vis = visible_tokens(n, lengths, p, sink, window).reshape(b, hk, c * p, 1)
     s = jnp.where(vis, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)  # [b, hk, g]
-    pr = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
-    o = jnp.einsum("bhgt,bhtd->bhgd", pr, vs, preferred_element_type=jnp.float32)
-    return None, normalize_partial(o, m, jnp.sum(pr, axis=-1))
+    m = jnp.max(s, axis=-2)  # [b, hk, g]
+    pr = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None, :])  # [b, hk, tokens, g]
+    o = jnp.einsum("bhtg,bhtd->bhgd", pr, vs, preferred_element_type=jnp.float32)
+    return None, normalize_partial(o, m, jnp.sum(pr, axis=-2))
 
   if num_splits == 1:
     _, (o, lse) = split(None, (rows[0], nums[0]))
