@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 
 __all__ = [
-    "BACKEND_COMPILES", "block", "compile_count", "compiled_memory", "count_trace", "hardware_string",
+    "BACKEND_COMPILES", "bandwidth_probe", "block", "compile_count", "compiled_memory", "count_trace", "hardware_string",
     "matmul_peak_gflops", "read_bandwidth", "time_fn", "time_interleaved", "Timing", "TRACE_COUNTS", "watch_compiles",
 ]
 
@@ -93,25 +93,35 @@ def matmul_peak_gflops(n: int = 1024, dtype="float32", iters: int = 5) -> float:
   return 2 * n**3 / t.min / 1e9
 
 
+def bandwidth_probe(gib: float = 1.0):
+  """``(fn, args, nbytes)``: a jitted row sum over ``gib`` GiB of f32 (rows of 256, so XLA splits
+  it over all cores). Timed beside an op in one ``time_interleaved`` call, ``nbytes / time`` is
+  the read bandwidth under the same machine load as the op (``read_bandwidth`` times it alone)."""
+  import jax.numpy as jnp
+  if gib <= 0:
+    from jaxsys.core.errors import ConfigError
+    raise ConfigError(f"{gib=} must be > 0")
+  rows = max(1, int(gib * (1 << 30)) // (4 * 256))
+  x = jnp.ones((rows, 256), jnp.float32)
+  return jax.jit(lambda a: jnp.sum(a, axis=1)), (x,), int(x.nbytes)
+
+
 def read_bandwidth(gib: float = 1.0, iters: int = 5) -> dict[str, float]:
   """Measured memory read bandwidth in bytes/s: the roofline of bandwidth-bound ops (decode).
 
-  ``"xla"``: a jitted row sum over ``gib`` GiB of f32 (rows of 256, so XLA splits it over all
-  cores), best of ``iters``; ``"numpy"``: numpy's single-threaded sum of the same buffer, best
-  of 2. Use a buffer well above the last-level cache (the default 1 GiB) for DRAM bandwidth.
+  ``"xla"``: the ``bandwidth_probe`` sum over ``gib`` GiB, best of ``iters``; ``"numpy"``:
+  numpy's single-threaded sum of the same buffer, best of 2. Use a buffer well above the
+  last-level cache (the default 1 GiB) for DRAM bandwidth.
   """
-  import jax.numpy as jnp
   import numpy as np
-  if gib <= 0 or iters < 1:
+  if iters < 1:
     from jaxsys.core.errors import ConfigError
-    raise ConfigError(f"{gib=} must be > 0 and {iters=} >= 1")
-  rows = max(1, int(gib * (1 << 30)) // (4 * 256))
-  x = jnp.ones((rows, 256), jnp.float32)
-  f = jax.jit(lambda a: jnp.sum(a, axis=1))
+    raise ConfigError(f"{iters=} must be >= 1")
+  f, (x,), nbytes = bandwidth_probe(gib)
   best = time_fn(f, x, warmup=1, iters=iters).min
   xn = np.asarray(x)
   best_np = time_fn(xn.sum, warmup=0, iters=2).min
-  return {"xla": x.nbytes / best, "numpy": x.nbytes / best_np}
+  return {"xla": nbytes / best, "numpy": nbytes / best_np}
 
 
 def hardware_string() -> str:

@@ -67,10 +67,14 @@ def test_compile_count_sees_new_shapes_only():
 def test_read_bandwidth_reports_both_probes():
   import math
 
-  from jaxsys.core.bench import read_bandwidth
+  from jaxsys.core.bench import bandwidth_probe, read_bandwidth
 
-  bw = read_bandwidth(1 / 256, iters=2)  # 4 MiB: semantics only, not a DRAM figure
+  fn, args, nbytes = bandwidth_probe(1 / 256)  # 4 MiB: semantics only, not a DRAM figure
+  assert nbytes == args[0].nbytes == 4 << 20 and fn(*args).shape == (args[0].shape[0],)
+  bw = read_bandwidth(1 / 256, iters=2)
   assert set(bw) == {"xla", "numpy"}
   assert all(math.isfinite(v) and v > 0 for v in bw.values())
   with pytest.raises(ConfigError, match="gib"):
     read_bandwidth(0)
+  with pytest.raises(ConfigError, match="iters"):
+    read_bandwidth(1 / 256, iters=0)
