@@ -32,7 +32,8 @@ def _fn(impl, kw, block=(16, 16)):
     args = common.validate(q, k, v, **kw)
     if impl == "reference":
       return reference.attention_reference(args)
-    return xla.blockwise_attention(args, xla.XlaBlockSizes(*block))
+    sizes = block if isinstance(block, xla.XlaBlockSizes) else xla.XlaBlockSizes(*block)
+    return xla.blockwise_attention(args, sizes)
   return f
 
 
@@ -96,6 +97,44 @@ _CASES = {
 def test_xla_matches_dense_reference_f32(name):
   b, tq, tk, h, hk, d, kw = _CASES[name]
   check_against_reference(*_inputs(b, tq, tk, h, hk, d), kw)
+
+
+# Forward and backward on different tiles (``XlaBlockSizes.backward``: its own layout tables and
+# dynamic classes) and evenly split q tiles (``even_q``: 45 queries run as 2 x 24 forward and
+# 3 x 16 backward), at lengths that are no multiple of any tile.
+_SPLIT = xla.XlaBlockSizes(32, 16, even_q=True, backward=xla.XlaBlockSizes(16, 8, even_q=True))
+_SPLIT_CASES = ["full", "causal_gqa8_rect", "mqa_local_sink", "block_sparse_random",
+                "packed_segments", "decode_traced_offset"]
+
+
+@pytest.mark.parametrize("name", _SPLIT_CASES)
+def test_xla_split_backward_tiles_match_reference(name):
+  b, tq, tk, h, hk, d, kw = _CASES[name]
+  if name == "full":
+    tq = tk = 45
+  check_against_reference(*_inputs(b, tq, tk, h, hk, d), kw, block=_SPLIT)
+
+
+def test_default_dense_tiles_match_reference():
+  """The unmasked default (DENSE) at 1100 tokens: 2 x 552 q tiles forward, 3 x 368 backward."""
+  assert xla.DENSE.for_lengths(1100, 1100) == (552, 128)
+  assert xla.DENSE.backward.for_lengths(1100, 1100) == (368, 128)
+  check_against_reference(*_inputs(1, 1100, 1100, 2, 1, 16), {}, block=xla.DENSE)
+
+
+def test_dense_tiles_and_even_split():
+  """Unmasked calls get DENSE (even q tiles, own backward tiles); masked, packed and decode
+  calls keep the default; an even split pads at most 7 rows per tile."""
+  assert xla.XlaBlockSizes.for_mask(None) is xla.DENSE
+  assert xla.DENSE.backward is not None and xla.DENSE.even_q
+  assert xla.XlaBlockSizes.for_mask(None, packed=True) == xla.XlaBlockSizes()
+  assert xla.XlaBlockSizes.for_mask(None, q_len=xla.SINGLE_TILE_MAX_Q) == xla.XlaBlockSizes()
+  assert xla.XlaBlockSizes.for_mask(M.Causal(), q_len=4096) == xla.XlaBlockSizes()
+  even = xla.XlaBlockSizes(1024, 128, even_q=True)
+  assert even.for_lengths(1500, 1500) == (752, 128)
+  assert even.for_lengths(4096, 100) == (1024, 104)
+  assert even.for_lengths(5000, 5000) == (1000, 128)
+  assert xla.XlaBlockSizes(1024, 128).for_lengths(1500, 1500) == (1024, 128)
 
 
 @pytest.mark.parametrize("name", ["causal_gqa4", "packed_segments"])

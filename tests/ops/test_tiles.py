@@ -11,12 +11,14 @@ import pytest
 from jaxsys.ops import attention
 from jaxsys.ops import masks as M
 from jaxsys.ops.attn import layout as layout_lib
+from jaxsys.ops.attn import xla
 from jaxsys.ops.attn.xla import XlaBlockSizes
 
 
 def test_tiles_follow_the_granularity():
   lay = np.ones((1, 4, 4), bool)
-  assert XlaBlockSizes.for_mask(None) == XlaBlockSizes()
+  assert XlaBlockSizes.for_mask(None) == xla.DENSE  # unmasked: tall dense tiles
+  assert XlaBlockSizes.for_mask(None, packed=True) == XlaBlockSizes()
   assert XlaBlockSizes.for_mask(M.Causal()) == XlaBlockSizes()
   assert XlaBlockSizes.for_mask(M.BlockSparse(lay, 64, 64)) == XlaBlockSizes(64, 64)
   assert XlaBlockSizes.for_mask(M.Causal() & M.BlockSparse(lay, 128, 64)) == XlaBlockSizes(64, 64)
