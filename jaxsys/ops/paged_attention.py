@@ -37,8 +37,8 @@ from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops.merge import merge_lse, normalize_partial
 
 __all__ = [
-    "PAGED_DECODE", "paged_decode_attention", "paged_decode_pallas", "paged_decode_xla", "PAGES_PER_SPLIT",
-    "visible_tokens",
+    "default_num_splits", "PAGED_DECODE", "paged_decode_attention", "paged_decode_pallas",
+    "paged_decode_xla", "PAGES_PER_SPLIT", "visible_tokens",
 ]
 
 PAGES_PER_SPLIT = 8  # 8 x 64-token pages x 128 dims x 4 B = 256 KiB of K per head: cache-sized
@@ -60,8 +60,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, leng
       at ``number * page_size + j``); a negative number marks an empty slot.
     lengths: ``int32[batch]`` tokens in each sequence (the query sits at ``length - 1``).
     sink, window: streaming-head mask ``Sink(sink) | Local(window)``; both None = causal.
-    num_splits: split-K chunks merged by log-sum-exp (flash-decode); default one split per
-      ``PAGES_PER_SPLIT`` pages.
+    num_splits: split-K chunks merged by log-sum-exp (flash-decode); default
+      ``default_num_splits(K)``: about ``PAGES_PER_SPLIT`` pages a split, least padding.
     return_lse: also return float32 ``lse [batch, heads]`` (-inf when nothing is visible).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret" (``jaxsys.core.dispatch``; "pallas"
       compiles for GPU and reads float pages only, auto falls back to "xla" otherwise).
@@ -74,11 +74,21 @@ def paged_decode_attention(q, k_pages, v_pages, page_indices, page_numbers, leng
             sink, window, num_splits)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   if num_splits is None:
-    num_splits = max(1, -(-page_indices.shape[-1] // PAGES_PER_SPLIT))
+    num_splits = default_num_splits(page_indices.shape[-1])
   out, lse = PAGED_DECODE(impl, q, k_pages, v_pages, page_indices, page_numbers, lengths,
                           sink=sink, window=window, scale=scale, k_scales=k_scales,
                           v_scales=v_scales, num_splits=num_splits)
   return (out, lse) if return_lse else out
+
+
+def default_num_splits(slots: int) -> int:
+  """Split count for ``slots`` pages: about ``PAGES_PER_SPLIT`` pages a split, with the fewest
+  padding slots (a padding slot is still gathered: page 0, masked). The smallest count in
+  ``[s0, 2 s0]`` (``s0 = ceil(slots / PAGES_PER_SPLIT)``) that minimises the padding: 65 slots
+  (64 selected pages + the newest) -> 13 splits of 5 instead of 9 of 8 (7 padding reads)."""
+  s0 = max(1, -(-slots // PAGES_PER_SPLIT))
+  pad = lambda s: s * -(-slots // s) - slots
+  return min(range(s0, 2 * s0 + 1), key=lambda s: (pad(s), s))
 
 
 def _pallas_impl(q, k_pages, v_pages, page_indices, page_numbers, lengths, *, sink, window, scale,

@@ -9,7 +9,7 @@ import pytest
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import attention, masks
-from jaxsys.ops.paged_attention import paged_decode_attention
+from jaxsys.ops.paged_attention import PAGES_PER_SPLIT, default_num_splits, paged_decode_attention
 from jaxsys.serving import page_select
 from jaxsys.serving.paged_cache import quantize_int8
 
@@ -108,3 +108,14 @@ def test_bad_inputs():
     paged_decode_attention(q, kp.astype(jnp.int8), vp.astype(jnp.int8), idx, num, jnp.asarray(lengths))
   with pytest.raises(NotImplementedError, match="GPU"):
     paged_decode_attention(q, kp, vp, idx, num, jnp.asarray(lengths), impl="pallas")
+
+
+def test_default_num_splits_pads_least():
+  assert PAGES_PER_SPLIT == 8
+  # 64 selected pages + the newest-page slot: 13 x 5 (no padding) rather than 9 x 8 (7 slots)
+  assert default_num_splits(65) == 13
+  assert [default_num_splits(k) for k in (1, 5, 8, 9, 256, 1024)] == [1, 1, 1, 3, 32, 128]
+  for k in range(1, 300):
+    s = default_num_splits(k)
+    s0 = -(-k // 8)
+    assert s0 <= s <= 2 * s0 and s * -(-k // s) - k <= s0 * -(-k // s0) - k
