@@ -5,6 +5,9 @@
     16-token logical pages, selection reused for 4 steps, 50% streaming heads with sink 64 +
     window 256), full scale (32 query / 8 kv heads, head_dim 128, float32, random weights).
     Ideal = dense bytes / LServe bytes (selected pages + streaming pages + statistics / reuse).
+    At 16K and 64K also the fraction of the memory-bandwidth bound of each path (dense, the
+    paged-decode op over every page, LServe): (bytes the step reads / bandwidth) / time, the
+    bandwidth measured by a 1 GiB sum in the same interleaved rounds; goal >= 0.6.
 (b) prefill attention time with 50% streaming heads (one block-sparse attention call with a
     per-head mask) vs dense causal; ideal = dense blocks / visited blocks.
 (c) KV memory per token of context (dense vs LServe, incl. page statistics).
@@ -74,9 +77,64 @@ def decode_bytes(ctx: int, streaming_fraction: float = 0.5) -> tuple[float, floa
   return dense, ours
 
 
+BOUND_CONTEXTS = (16384, 65536)  # contexts that get fraction-of-bandwidth-bound rows
+BOUND_GOAL = ">= 0.6"
+
+
+def step_read_bytes(ctx: int) -> dict[str, int]:
+  """Bytes each decode path must read per step (float32 KV and statistics, int32 page metadata,
+  the query), per path: ``dense`` (contiguous cache), ``paged`` (the paged-decode op over every
+  page), ``lserve`` (selected + streaming pages; the statistics read once per ``REUSE`` steps)."""
+  c = _cache_config(ctx)
+  r, s = len(c.retrieval_heads(0)), len(c.streaming_heads(0))
+  tok = 2 * HEAD_DIM * 4                  # K + V of one token of one kv head
+  query = HEADS * HEAD_DIM * 4
+  pages = ctx // PAGE
+  # selected pages + the newest-page slot (read even when it is empty: page 0, masked)
+  k_sel = min(SelectionConfig(BUDGET, PAGE, LOGICAL, REUSE).num_select, pages) + 1
+  stream = c.stream_pages_per_request
+  dense = KV_HEADS * ctx * tok + query
+  paged = KV_HEADS * ctx * tok + 2 * KV_HEADS * pages * 4 + 4 + query   # + indices, numbers
+  stats = r * (ctx // LOGICAL) * 2 * HEAD_DIM * 4                          # kmin + kmax
+  lserve = (r * k_sel * PAGE * tok + s * stream * PAGE * tok + stats // REUSE
+            + pages * 4 + 2 * r * k_sel * 4 + stream * 4 + 4 + query)      # + page tables
+  return {"dense": dense, "paged": paged, "lserve": lserve}
+
+
+def _bound_rows(ctx, timed, probe_bytes) -> list[Row]:
+  """``(bytes / bandwidth) / time`` per path, the bandwidth measured in the same interleaved
+  rounds (a 1 GiB sum, ``jaxsys.core.bench.bandwidth_probe``)."""
+  bw = probe_bytes / timed["probe"].min
+  need = step_read_bytes(ctx)
+  names = {"dense": "dense decode (contiguous cache)", "paged": "paged decode op (every page)",
+           "lserve": "LServe page-selected decode"}
+  rows = []
+  for path, name in names.items():
+    t = timed[path].min / (REUSE if path == "lserve" else 1)
+    frac = need[path] / bw / t
+    rows.append(Row(f"decode fraction of bandwidth bound @{ctx // 1024}K, {name}", "fraction",
+                    ours=frac, goal=BOUND_GOAL,
+                    note=f"{need[path] / 1e6:.1f} MB read per step / {bw / 1e9:.2f} GB/s measured "
+                    f"(1 GiB sum, same rounds) / {1e3 * t:.2f} ms"))
+    print(f"  bound {ctx}: {name}: {need[path] / 1e6:.1f} MB, {1e3 * t:.2f} ms, "
+          f"{bw / 1e9:.2f} GB/s -> {frac:.2f} of the bound", flush=True)
+  return rows
+
+
+def _paged_inputs(kd, vd):
+  """The contiguous cache ``[1, kv_heads, T, d]`` as pages ``[T / PAGE, kv_heads, PAGE, d]``."""
+  n = kd.shape[2] // PAGE
+  to_pages = lambda x: x[0].reshape(KV_HEADS, n, PAGE, HEAD_DIM).transpose(1, 0, 2, 3)
+  idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, KV_HEADS, n))
+  return to_pages(kd), to_pages(vd), idx
+
+
 def bench_decode(contexts, iters) -> tuple[list[Row], dict]:
+  from jaxsys.core.bench import bandwidth_probe
+  from jaxsys.ops.paged_attention import paged_decode_attention
   rows, curve = [], {"ctx": [], "dense_ms": [], "lserve_ms": [], "ideal": []}
   sel = SelectionConfig(BUDGET, PAGE, LOGICAL, REUSE)
+  paged = jax.jit(lambda q, k, v, i, n: paged_decode_attention(q, k, v, i, i, n, impl="xla"))
   for ctx in contexts:
     c = _cache_config(ctx)
     key = jax.random.PRNGKey(ctx)
@@ -98,10 +156,18 @@ def bench_decode(contexts, iters) -> tuple[list[Row], dict]:
         out, _ = lserve.decode_attention(c, sel, st, 0, q, bt, stt, lengths, numbers, reselect=False)
       return out
 
-    # timed alternately: both see the same machine load
-    timed = time_interleaved({"dense": (dense, (q, kd, vd)), "ours": (cycle, (q, st))}, rounds=iters)
+    # timed alternately: all see the same machine load
+    fns = {"dense": (dense, (q, kd, vd)), "ours": (cycle, (q, st))}
+    if ctx in BOUND_CONTEXTS:  # + the bandwidth probe and the paged op over every page
+      probe, probe_args, probe_bytes = bandwidth_probe(1.0)
+      kp, vp, idx = _paged_inputs(kd, vd)
+      fns.update(probe=(probe, probe_args), paged=(paged, (q, kp, vp, idx, lengths)))
+    timed = time_interleaved(fns, rounds=iters)
     t_dense, t_ours = timed["dense"].ms, timed["ours"].ms
     t_ours /= REUSE
+    if ctx in BOUND_CONTEXTS:
+      rows += _bound_rows(ctx, {**timed, "lserve": timed["ours"]}, probe_bytes)
+      del kp, vp, probe_args
     del st, kd, vd
     db, ob = decode_bytes(ctx)
     ideal = db / ob
