@@ -108,13 +108,14 @@ def _choose_blocks(bs: fa.BlockSizes | None, mask, tq, tk, nodes, backend):
   if bs is None:
     bs = fa.BlockSizes.for_mask(mask, q_len=tq, kv_len=tk, backend=backend)
     return bs.block_q, bs.block_k
-  # Explicit sizes, clipped to short lengths; each q tile inside one layout row, each kv tile
-  # inside one layout column or over whole columns (else shrunk to a common divisor).
+  # Explicit sizes, clipped to short lengths and shrunk to a common divisor of the layout cells
+  # (each tile inside one cell); Mosaic kv tiles instead stay over whole columns when they can
+  # (below 128 keys the TPU lowering refuses them).
   bq = min(bs.block_q, max(16, _next_pow2(tq)))
   bk = min(bs.block_k, max(16, _next_pow2(tk)))
   for n in nodes:
     bq = math.gcd(bq, n.block_q)
-    if bk % n.block_k:
+    if backend != "mosaic" or bk % n.block_k:
       bk = math.gcd(bk, n.block_k)
   if backend == "triton" and (bq < 16 or bk < 16):
     raise NotImplementedError(
