@@ -1,11 +1,12 @@
 """Blockwise and block-sparse attention on CPU: time and memory vs naive dense and JAX peers.
 
-Measured side by side in one process (b=1, 4 heads, head_dim 64, f32, non-causal):
+Measured side by side in one process (b=1, 4 heads, head_dim 64, f32, non-causal unless noted):
   1. naive dense softmax(QK^T)V vs the xla blockwise path at 1K..16K tokens: time and compiled
      peak memory (blockwise must grow linearly, naive quadratically);
   2. peers at the largest length: ``jax.nn.dot_product_attention`` and tokamax's
-     ``dot_product_attention(..., implementation="xla_chunked")`` (optional), forward and
-     forward+backward, with achieved GFLOP/s beside the f32 matmul peak measured in this run;
+     ``dot_product_attention(..., implementation="xla_chunked")`` (optional; non-causal and
+     causal), forward and forward+backward, with achieved GFLOP/s beside the f32 matmul peak
+     measured in this run;
   3. block-sparse layouts of 64 / 128 / 256-token blocks at 25 / 10 % density, forward and
      forward+backward: time of our dense over our sparse, beside the ideal ratio 1/density (the
      XLA backend's tiles follow the layout's granularity, ``XlaBlockSizes.for_mask``);
@@ -52,16 +53,21 @@ def _flops(t, backward=False):
 
 
 def _peers():
-  """name -> forward fn of the peers available in this environment (and notes for missing)."""
-  peers = {"jax.nn.dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(q, k, v)}
+  """``{(name, causal): forward fn}`` of the peers available here (and notes for missing ones).
+
+  tokamax's ``xla_chunked`` runs causal attention by masking every chunk (no chunk is skipped);
+  our causal rows visit only the blocks at or below the diagonal."""
+  peers = {("jax.nn.dot_product_attention", False):
+           lambda q, k, v: jax.nn.dot_product_attention(q, k, v)}
   notes = {}
   try:
     import tokamax
     from absl import flags
     if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; keep it off our command line
       flags.FLAGS([sys.argv[0]])
-    peers["tokamax xla_chunked"] = lambda q, k, v: tokamax.dot_product_attention(
-        q, k, v, implementation="xla_chunked")
+    for causal in (False, True):
+      peers[("tokamax xla_chunked", causal)] = lambda q, k, v, c=causal: tokamax.dot_product_attention(
+          q, k, v, implementation="xla_chunked", is_causal=c)
   except Exception as e:  # optional peer (pip install tokamax)
     notes["tokamax xla_chunked"] = f"not importable ({type(e).__name__}); row skipped"
   return peers, notes
@@ -118,39 +124,38 @@ def run(quick: bool, out_dir: str) -> list[Row]:
                   ours=g_ours, baseline=g_naive, baseline_name="naive dense", ideal=2.0,
                   goal="<= 2.2 (ours)", note="linear = 2, quadratic = 4", ratio=g_naive / g_ours))
 
-  # 2. peers at peer_len, forward and forward+backward
+  # 2. peers at peer_len, forward and forward+backward, non-causal and causal
   q, k, v = _qkv(peer_len)
-  ours_f = lambda q, k, v: attention(q, k, v, impl="xla")
+  ours = {c: (lambda q, k, v, m=masks.Causal() if c else None: attention(q, k, v, impl="xla", mask=m))
+          for c in (False, True)}
   peers, notes = _peers()
-  t_ours = {False: time_fn(jax.jit(ours_f), q, k, v, iters=iters).min,
-            True: time_fn(_fwd_bwd(ours_f), q, k, v, iters=iters).min}
+  t_ours = {False: time_fn(jax.jit(ours[False]), q, k, v, iters=iters).min,
+            True: time_fn(_fwd_bwd(ours[False]), q, k, v, iters=iters).min}
   tag = f"@{peer_len // 1024}K"
   for bwd in (False, True):
     kind = "forward+backward" if bwd else "forward"
     gf = _flops(peer_len, bwd) / t_ours[bwd] / 1e9
     rows.append(Row(f"xla blockwise {kind} GFLOP/s {tag}", "GFLOP/s (ratio = fraction of matmul peak)",
                     ours=gf, baseline=peak, baseline_name="f32 matmul peak (this run)", ratio=gf / peak))
-  goals = {"jax.nn.dot_product_attention": ">= 2", "tokamax xla_chunked": ">= 1.25"}
-  for name, fn in peers.items():
+  goals = {("jax.nn.dot_product_attention", False): ">= 2", ("tokamax xla_chunked", False): ">= 1.2",
+           ("tokamax xla_chunked", True): ">= 1.5"}
+  for (name, causal), fn in peers.items():
     for bwd in (False, True):
       t_len = peer_bwd_len.get(name, peer_len) if bwd else peer_len
-      kind = "forward+backward" if bwd else "forward"
-      if t_len != peer_len:  # this peer cannot hold the full-length backward: compare shorter
-        qq, kk, vv = _qkv(t_len)
-        ours_t = time_fn(_fwd_bwd(ours_f), qq, kk, vv, iters=iters).min
-      else:
-        qq, kk, vv = q, k, v
-        ours_t = t_ours[bwd]
+      kind = ("causal " if causal else "") + ("forward+backward" if bwd else "forward")
+      qq, kk, vv = (q, k, v) if t_len == peer_len else _qkv(t_len)  # shorter: peer memory-bound
       f = _fwd_bwd(fn) if bwd else jax.jit(fn)
-      mine = _fwd_bwd(ours_f) if bwd else jax.jit(ours_f)
+      mine = _fwd_bwd(ours[causal]) if bwd else jax.jit(ours[causal])
       # timed alternately: shared-machine drift hits both alike
       paired = time_interleaved({"peer": f, "ours": mine}, qq, kk, vv, rounds=iters)
-      t_peer, ours_t = paired["peer"].min, min(ours_t, paired["ours"].min)
-      gf = _flops(t_len, bwd) / t_peer / 1e9
+      t_peer, ours_t = paired["peer"].min, paired["ours"].min
+      if not causal and t_len == peer_len:
+        ours_t = min(ours_t, t_ours[bwd])
+      useful = _flops(t_len, bwd) * (0.5 if causal else 1.0)  # causal: half the score matrix
       rows.append(Row(f"{kind} time @{t_len // 1024}K vs {name}", "ms", ours=ours_t * 1e3,
-                      baseline=t_peer * 1e3, baseline_name=name, goal=goals[name],
-                      note=f"peer {gf:.1f} GFLOP/s, ours {_flops(t_len, bwd) / ours_t / 1e9:.1f}, "
-                           f"matmul peak {peak:.0f}"))
+                      baseline=t_peer * 1e3, baseline_name=name, goal=goals[(name, causal)],
+                      note=f"peer {useful / t_peer / 1e9:.1f} useful GFLOP/s, ours "
+                           f"{useful / ours_t / 1e9:.1f}, matmul peak {peak:.0f}"))
   for name, note in notes.items():
     rows.append(Row(f"forward time {tag} vs {name}", "ms", ours=t_ours[False] * 1e3,
                     baseline=None, baseline_name=name, note=note))
