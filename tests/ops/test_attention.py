@@ -117,8 +117,8 @@ def test_xla_split_backward_tiles_match_reference(name):
 
 def test_default_dense_tiles_match_reference():
   """The unmasked default (DENSE) at 1100 tokens: 2 x 552 q tiles forward, 3 x 368 backward."""
-  assert xla.DENSE.for_lengths(1100, 1100) == (552, 128)
-  assert xla.DENSE.backward.for_lengths(1100, 1100) == (368, 128)
+  assert xla.DENSE.for_lengths(1100, 1100) == (552, 256)
+  assert xla.DENSE.backward.for_lengths(1100, 1100) == (368, 256)
   check_against_reference(*_inputs(1, 1100, 1100, 2, 1, 16), {}, block=xla.DENSE)
 
 

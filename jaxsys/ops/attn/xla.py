@@ -50,9 +50,12 @@ _F32 = jnp.float32
 class XlaBlockSizes:
   """Query / key tile sizes; clipped to the (8-rounded) lengths for short inputs.
 
-  256 x 256 was fastest on a 2-core CPU for masked calls (4K tokens, 4 heads, d=64; square tiles
-  128..1024): a ``[heads, 256, 256]`` f32 tile set stays cache-resident. Unmasked calls use
-  ``DENSE`` instead (see ``for_mask``).
+  256 x 256 (masks without a finer structure) was the fastest square tile on a 2-core CPU with
+  both cores busy (4K tokens, 4 heads, d=64; 128..1024): a ``[heads, 256, 256]`` f32 tile set
+  stays cache-resident. Unmasked calls use ``DENSE`` (see ``for_mask``). With the second core
+  free, taller tiles also win for causal masks (4K forward: 256x256 138..151 ms, 512x256 86,
+  512x512 79; forward+backward 447 vs 323 for 512x256); the causal default stays 256 x 256
+  for now (tests/speculative/test_prefill_blocks.py counts its 256-token blocks).
 
   ``even_q``: split the queries into ``ceil(q_len / block_q)`` tiles of equal (8-rounded) size
   rather than full tiles plus a padded remainder: 1500 queries run as 2 x 752, not 2 x 1024
@@ -104,14 +107,15 @@ class XlaBlockSizes:
     return bq, min(self.block_k, _round_up(kv_len, 8))
 
 
-# Unmasked attention: nothing to skip, so tiles only trade matmul shape and K/V traffic against
-# cache residency. Tall q tiles stream K/V from memory 4x less often than 256-row ones and keep a
-# [heads, 1024, 128] f32 score tile (2 MiB) in L2. Measured on 2 CPU cores (b=1, 4 heads, d=64,
-# f32, interleaved, ms): forward @4K 256x256 235, 512x128 205, 1024x128 195, 1024x256 198,
-# 2048x128 200; @16K 256x256 3868, 1024x128 3174. Forward+backward @4K 256x256 1338,
-# 1024x128 903, 512x128 809, 256x128 961: the backward (five matmuls per tile and dk/dv updates)
-# prefers half as tall tiles.
-DENSE = XlaBlockSizes(1024, 128, even_q=True, backward=XlaBlockSizes(512, 128, even_q=True))
+# Unmasked attention: nothing to skip, so tiles only trade matmul size against cache residency.
+# Larger tiles make larger dots, which XLA's CPU runtime splits over both cores when the second
+# one is free, and stream K/V 4x less often than 256-row tiles. Measured on 2 shared CPU cores
+# (b=1, 4 heads, d=64, f32, 4K tokens, interleaved, ms), forward with the other core mostly
+# idle: 1024x128 146, 1024x256 126, 512x256 141, 2048x256 114, 1024x512 120 (256x256: ~240);
+# with both cores busy the tall tiles were all within 5% (195..205) against 235 for 256x256.
+# Forward+backward (forward 1024x256): backward 512x256 550, 1024x128 549, 512x128 679,
+# 256x256 706; the same tile for both passes (1024x256) 632.
+DENSE = XlaBlockSizes(1024, 256, even_q=True, backward=XlaBlockSizes(512, 256, even_q=True))
 
 MIN_TILE = 32  # the smallest tile for_mask picks
 SINGLE_TILE_MAX_Q = 16  # queries up to which a one-key-tile call skips the blockwise loop
