@@ -108,8 +108,9 @@ class XlaBlockSizes:
 
 
 # Unmasked attention: nothing to skip, so tiles only trade matmul size against cache residency.
-# Larger tiles make larger dots, which XLA's CPU runtime splits over both cores when the second
-# one is free, and stream K/V 4x less often than 256-row tiles. Measured on 2 shared CPU cores
+# Larger tiles make larger dots and stream K/V 4x less often than 256-row tiles; most of their
+# gain shows only while the second core is free (larger dots get split over both cores, it
+# seems; with both cores busy it is ~15%). Measured on 2 shared CPU cores
 # (b=1, 4 heads, d=64, f32, 4K tokens, interleaved, ms), forward with the other core mostly
 # idle: 1024x128 146, 1024x256 126, 512x256 141, 2048x256 114, 1024x512 120 (256x256: ~240);
 # with both cores busy the tall tiles were all within 5% (195..205) against 235 for 256x256.
