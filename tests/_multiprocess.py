@@ -1,5 +1,6 @@
-"""Runs a worker script as two local ``jax.distributed`` processes (gloo CPU collectives, 2 devices
-each) and returns their outputs; shared by the multi-process tests."""
+"""Subprocess helpers shared by the tests: the suite's XLA flags with another simulated device
+count, and a worker script run as two local ``jax.distributed`` processes (gloo CPU collectives,
+2 devices each)."""
 
 import os
 import socket
@@ -7,6 +8,16 @@ import subprocess
 import sys
 
 import pytest
+
+
+def xla_flags(device_count: int | None = None) -> str:
+  """This process's ``XLA_FLAGS`` (tests/conftest.py: 8 devices, backend optimisation level) with
+  the simulated device count replaced by ``device_count`` (None: XLA's default, one device)."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if "xla_force_host_platform_device_count" not in f]
+  if device_count is not None:
+    flags.append(f"--xla_force_host_platform_device_count={device_count}")
+  return " ".join(flags)
 
 
 def free_port() -> int:
@@ -24,7 +35,7 @@ def run_two_processes(worker: str, tmp_path, *, timeout: float, what: str) -> li
   procs = []
   for pid in range(2):
     env = dict(os.environ)
-    env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+    env.update({"XLA_FLAGS": xla_flags(2), "JAX_PLATFORMS": "cpu",
                 "JAXSYS_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAXSYS_NUM_PROCESSES": "2",
                 "JAXSYS_PROCESS_ID": str(pid)})
     procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,

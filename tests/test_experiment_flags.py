@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from jaxsys.core.errors import ConfigError
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _multiprocess import xla_flags  # noqa: E402
+
+from jaxsys.core.errors import ConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, env_extra=None):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=xla_flags())
   env.update(env_extra or {})
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=120)

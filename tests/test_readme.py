@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _multiprocess import xla_flags  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -56,7 +59,7 @@ def test_readme_block_runs(code, skip, tmp_path):
   for pattern, repl in SCALE:
     code = re.sub(pattern, repl, code)
   env = dict(os.environ, MPLBACKEND="Agg", JAXSYS_README_TEST="1")
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = xla_flags(8)
   r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"

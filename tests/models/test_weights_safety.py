@@ -16,6 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import _save_kill_worker as W  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from _multiprocess import xla_flags  # noqa: E402
+
 import jaxsys.models as M  # noqa: E402
 from jaxsys.core.errors import ConfigError, InputError  # noqa: E402
 from jaxsys.models import _safetensors as st  # noqa: E402
@@ -76,8 +79,7 @@ def test_save_pretrained_survives_sigkill(tmp_path, old_model):
   assert _which(d, expected) == "old"
   # The worker saves the new model unsharded over it, in a fresh process per attempt (forked
   # from one that imported jaxsys once).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = dict(os.environ, XLA_FLAGS=xla_flags(), JAX_PLATFORMS="cpu")
   proc = subprocess.Popen([sys.executable, W.__file__, str(d)], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True, env=env)
 
