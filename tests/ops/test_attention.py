@@ -122,14 +122,22 @@ def test_default_dense_tiles_match_reference():
   check_against_reference(*_inputs(1, 1100, 1100, 2, 1, 16), {}, block=xla.DENSE)
 
 
+def test_default_causal_tiles_match_reference():
+  """Causal at 1100 tokens on UNSTRUCTURED tiles: 3 x 368 q tiles (cut across the diagonal)."""
+  assert xla.UNSTRUCTURED.for_lengths(1100, 1100) == (368, 256)
+  check_against_reference(*_inputs(1, 1100, 1100, 2, 1, 16), {"mask": M.Causal()},
+                          block=xla.UNSTRUCTURED)
+
+
 def test_dense_tiles_and_even_split():
-  """Unmasked calls get DENSE (even q tiles, own backward tiles); masked, packed and decode
-  calls keep the default; an even split pads at most 7 rows per tile."""
+  """Unmasked calls get DENSE (even q tiles, own backward tiles), causal ones UNSTRUCTURED;
+  packed and decode calls keep the default; an even split pads at most 7 rows per tile."""
   assert xla.XlaBlockSizes.for_mask(None) is xla.DENSE
   assert xla.DENSE.backward is not None and xla.DENSE.even_q
   assert xla.XlaBlockSizes.for_mask(None, packed=True) == xla.XlaBlockSizes()
   assert xla.XlaBlockSizes.for_mask(None, q_len=xla.SINGLE_TILE_MAX_Q) == xla.XlaBlockSizes()
-  assert xla.XlaBlockSizes.for_mask(M.Causal(), q_len=4096) == xla.XlaBlockSizes()
+  assert xla.XlaBlockSizes.for_mask(M.Causal(), q_len=4096) is xla.UNSTRUCTURED
+  assert xla.XlaBlockSizes.for_mask(M.Causal(), packed=True, q_len=4096) == xla.XlaBlockSizes()
   even = xla.XlaBlockSizes(1024, 128, even_q=True)
   assert even.for_lengths(1500, 1500) == (752, 128)
   assert even.for_lengths(4096, 100) == (1024, 104)

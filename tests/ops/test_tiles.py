@@ -19,13 +19,15 @@ def test_tiles_follow_the_granularity():
   lay = np.ones((1, 4, 4), bool)
   assert XlaBlockSizes.for_mask(None) == xla.DENSE  # unmasked: tall dense tiles
   assert XlaBlockSizes.for_mask(None, packed=True) == XlaBlockSizes()
-  assert XlaBlockSizes.for_mask(M.Causal()) == XlaBlockSizes()
+  assert XlaBlockSizes.for_mask(M.Causal()) == xla.UNSTRUCTURED  # no finer structure: tall tiles
+  assert XlaBlockSizes.for_mask(M.Causal(), packed=True) == XlaBlockSizes()
+  assert XlaBlockSizes.for_mask(M.Causal(), q_len=xla.SINGLE_TILE_MAX_Q) == XlaBlockSizes()
   assert XlaBlockSizes.for_mask(M.BlockSparse(lay, 64, 64)) == XlaBlockSizes(64, 64)
   assert XlaBlockSizes.for_mask(M.Causal() & M.BlockSparse(lay, 128, 64)) == XlaBlockSizes(64, 64)
   assert XlaBlockSizes.for_mask(M.BlockSparse(lay, 16, 16)) == XlaBlockSizes(32, 32)
   assert XlaBlockSizes.for_mask(M.BlockSparse(lay, 512, 512)) == XlaBlockSizes()
   assert XlaBlockSizes.for_mask(M.Sink(64) | M.Local(256)) == XlaBlockSizes(64, 64)
-  assert XlaBlockSizes.for_mask(M.Local(4096)) == XlaBlockSizes()
+  assert XlaBlockSizes.for_mask(M.Local(4096)) == xla.UNSTRUCTURED
 
 
 def test_visited_tiles_are_the_visited_layout_blocks(monkeypatch):

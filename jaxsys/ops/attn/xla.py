@@ -50,12 +50,12 @@ _F32 = jnp.float32
 class XlaBlockSizes:
   """Query / key tile sizes; clipped to the (8-rounded) lengths for short inputs.
 
-  256 x 256 (masks without a finer structure) was the fastest square tile on a 2-core CPU with
-  both cores busy (4K tokens, 4 heads, d=64; 128..1024): a ``[heads, 256, 256]`` f32 tile set
-  stays cache-resident. Unmasked calls use ``DENSE`` (see ``for_mask``). With the second core
-  free, taller tiles also win for causal masks (4K forward: 256x256 138..151 ms, 512x256 86,
-  512x512 79; forward+backward 447 vs 323 for 512x256); the causal default stays 256 x 256
-  for now (tests/speculative/test_prefill_blocks.py counts its 256-token blocks).
+  256 x 256 was the fastest square tile on a 2-core CPU with both cores busy (4K tokens,
+  4 heads, d=64; 128..1024): a ``[heads, 256, 256]`` f32 tile set stays cache-resident; it is
+  kept for packed segments and short calls. Unmasked calls use ``DENSE``, masks without a finer
+  structure (causal, wide windows) ``UNSTRUCTURED`` (see ``for_mask``): with the second core
+  free, taller tiles win for causal masks too (4K forward: 256x256 138..151 ms, 512x256 86,
+  512x512 79; forward+backward 447 vs 323 for 512x256).
 
   ``even_q``: split the queries into ``ceil(q_len / block_q)`` tiles of equal (8-rounded) size
   rather than full tiles plus a padded remainder: 1500 queries run as 2 x 752, not 2 x 1024
@@ -74,9 +74,10 @@ class XlaBlockSizes:
   def for_mask(cls, mask, *, packed: bool = False, q_len: int | None = None) -> "XlaBlockSizes":
     """Tiles that follow the mask's structure (``Mask.granularity``): a block-sparse layout of
     ``g``-token blocks (or a sink / short local window) is computed in ``g x g`` tiles, so work
-    tracks the visited blocks; unstructured masks keep the default 256 x 256. No mask gets
-    ``DENSE``, except with ``packed`` segments (disjoint blocks are skipped at tile granularity)
-    or for ``q_len <= SINGLE_TILE_MAX_Q`` (decode steps keep 256 keys in the one-tile path).
+    tracks the visited blocks; unstructured masks (causal, wide windows) get ``UNSTRUCTURED``
+    (512 x 256). No mask gets ``DENSE``. Both keep the default 256 x 256 with ``packed``
+    segments (disjoint blocks are skipped at tile granularity) and for
+    ``q_len <= SINGLE_TILE_MAX_Q`` (decode steps keep 256 keys in the one-tile path).
 
     Measured on 2 CPU cores (8K tokens, 4 heads, d=64, f32, 10% of a random layout visited),
     fraction of the ideal speedup over dense reached, forward:
@@ -95,6 +96,8 @@ class XlaBlockSizes:
     if mask is None and not packed and (q_len is None or q_len > SINGLE_TILE_MAX_Q):
       return DENSE
     g = None if mask is None else mask.granularity
+    if g is None and not packed and (q_len is None or q_len > SINGLE_TILE_MAX_Q):
+      return UNSTRUCTURED
     if g is None or g >= cls.block_q:
       return cls()
     tile = g * -(-MIN_TILE // g)
@@ -117,6 +120,8 @@ class XlaBlockSizes:
 # Forward+backward (forward 1024x256): backward 512x256 550, 1024x128 549, 512x128 679,
 # 256x256 706; the same tile for both passes (1024x256) 632.
 DENSE = XlaBlockSizes(1024, 256, even_q=True, backward=XlaBlockSizes(512, 256, even_q=True))
+# Causal / wide-window masks: 4K forward 256x256 138..151 ms, 512x256 86, 512x512 79.
+UNSTRUCTURED = XlaBlockSizes(512, 256, even_q=True)
 
 MIN_TILE = 32  # the smallest tile for_mask picks
 SINGLE_TILE_MAX_Q = 16  # queries up to which a one-key-tile call skips the blockwise loop
