@@ -90,6 +90,14 @@ class XlaBlockSizes:
     256       0.85        --          --          0.85
     ========  ==========  ==========  ==========  ======
 
+    (That table is against the old 256 x 256 dense tiles.) Against ``DENSE`` the fine rows
+    fall to ~0.4..0.5 with the second core free, ~0.6..0.8 when only one core runs (taskset):
+    ``DENSE``'s 1024 x 256 dots are split over both cores, a 64-row tile's are not. Gathering
+    several visited key tiles into one wider dot (a compact 64 x 512 key buffer per step, with
+    or without several query tiles batched per step, rows sorted by visit count) measured
+    slower, not faster (8K, 64-token layout, 25%, forward: 263 ms one tile a visit, 290..420 ms
+    chunked; the gather itself was not the cost), so fine layouts keep one tile per visit.
+
     Tiles below ``MIN_TILE`` tokens lose more to per-visit overhead than they skip, so a finer
     layout uses the smallest multiple of its block at or above it.
     """
