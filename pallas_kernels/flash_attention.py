@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["BACKENDS", "BlockSizes", "check_kv_cells", "flash_attention", "KernelConfig",
-           "layout_cells"]
+__all__ = ["BACKENDS", "block_sparse_nodes", "BlockSizes", "check_kv_cells", "flash_attention",
+           "KernelConfig", "layout_cells"]
 
 _F32 = jnp.float32
 BACKENDS = ("triton", "mosaic")
@@ -118,21 +118,25 @@ def _pow2_floor(x: int) -> int:
   return 1 << (int(x).bit_length() - 1)
 
 
-def layout_cells(mask) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """``(block_q's, block_k's)`` of the BlockSparse layouts inside ``mask`` (duck-typed walk)."""
-  qs, ks = [], []
+def block_sparse_nodes(mask, out=None) -> list:
+  """The ``BlockSparse`` nodes of ``mask``, depth first (through ``.token_mask`` / ``.masks``;
+  duck-typed: a node with ``layout``, ``block_q`` and ``block_k``), so that the kernel package
+  needs nothing from ``jaxsys.ops.masks``."""
+  out = [] if out is None else out
+  if mask is None:
+    return out
+  if hasattr(mask, "layout") and hasattr(mask, "block_q") and hasattr(mask, "block_k"):
+    out.append(mask)
+    block_sparse_nodes(getattr(mask, "token_mask", None), out)
+  for child in getattr(mask, "masks", ()):
+    block_sparse_nodes(child, out)
+  return out
 
-  def walk(m):
-    if m is None:
-      return
-    if hasattr(m, "layout") and hasattr(m, "block_q") and hasattr(m, "block_k"):
-      qs.append(int(m.block_q))
-      ks.append(int(m.block_k))
-      walk(getattr(m, "token_mask", None))
-    for child in getattr(m, "masks", ()):
-      walk(child)
-  walk(mask)
-  return tuple(qs), tuple(ks)
+
+def layout_cells(mask) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """``(block_q's, block_k's)`` of the BlockSparse layouts inside ``mask``."""
+  nodes = block_sparse_nodes(mask)
+  return tuple(int(n.block_q) for n in nodes), tuple(int(n.block_k) for n in nodes)
 
 
 def _q_tile(target: int, cells_q, q_len: int, backend: str) -> int:

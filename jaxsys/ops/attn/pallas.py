@@ -36,17 +36,6 @@ def _next_pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _sparse_nodes(mask, out=None) -> list[M.BlockSparse]:
-  out = [] if out is None else out
-  if isinstance(mask, M.BlockSparse):
-    out.append(mask)
-    if mask.token_mask is not None:
-      _sparse_nodes(mask.token_mask, out)
-  for child in getattr(mask, "masks", ()) if mask is not None else ():
-    _sparse_nodes(child, out)
-  return out
-
-
 def _bit_slots(nodes, block_k: int) -> list[tuple[int, int]]:
   """``(first bit, columns)`` per BlockSparse node: a kv tile over ``c`` whole layout columns
   carries ``c`` bits (column ``s`` of the tile at bit ``first + s``)."""
@@ -164,7 +153,7 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
   q, k, v = args.q, args.k, args.v
   b, tq, h, d = q.shape
   tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-  nodes = _sparse_nodes(args.mask)
+  nodes = fa.block_sparse_nodes(args.mask)
   if len(nodes) > 31:
     raise NotImplementedError(f"at most 31 BlockSparse masks per call, got {len(nodes)}")
   bq, bk = _choose_blocks(block_sizes, args.mask, tq, tk, nodes, backend)

@@ -101,11 +101,9 @@ class XlaBlockSizes:
     Tiles below ``MIN_TILE`` tokens lose more to per-visit overhead than they skip, so a finer
     layout uses the smallest multiple of its block at or above it.
     """
-    if mask is None and not packed and (q_len is None or q_len > SINGLE_TILE_MAX_Q):
-      return DENSE
     g = None if mask is None else mask.granularity
     if g is None and not packed and (q_len is None or q_len > SINGLE_TILE_MAX_Q):
-      return UNSTRUCTURED
+      return DENSE if mask is None else UNSTRUCTURED
     if g is None or g >= cls.block_q:
       return cls()
     tile = g * -(-MIN_TILE // g)
