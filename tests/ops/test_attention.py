@@ -100,9 +100,10 @@ def test_xla_matches_dense_reference_f32(name):
 
 
 # Forward and backward on different tiles (``XlaBlockSizes.backward``: its own layout tables and
-# dynamic classes) and evenly split q tiles (``even_q``: 45 queries run as 2 x 24 forward and
-# 3 x 16 backward), at lengths that are no multiple of any tile.
-_SPLIT = xla.XlaBlockSizes(32, 16, even_q=True, backward=xla.XlaBlockSizes(16, 8, even_q=True))
+# dynamic classes) and evenly split q and key tiles (``even_q`` / ``even_k``: 45 queries run as
+# 2 x 24 forward and 3 x 16 backward), at lengths that are no multiple of any tile.
+_SPLIT = xla.XlaBlockSizes(32, 16, even_q=True, even_k=True,
+                           backward=xla.XlaBlockSizes(16, 8, even_q=True, even_k=True))
 _SPLIT_CASES = ["full", "causal_gqa8_rect", "mqa_local_sink", "block_sparse_random",
                 "packed_segments", "decode_traced_offset"]
 
@@ -116,15 +117,17 @@ def test_xla_split_backward_tiles_match_reference(name):
 
 
 def test_default_dense_tiles_match_reference():
-  """The unmasked default (DENSE) at 1100 tokens: 2 x 552 q tiles forward, 3 x 368 backward."""
-  assert xla.DENSE.for_lengths(1100, 1100) == (552, 256)
-  assert xla.DENSE.backward.for_lengths(1100, 1100) == (368, 256)
+  """The unmasked default (DENSE) at 1100 tokens: 2 x 552 q tiles forward, 3 x 368 backward,
+  5 x 224 key tiles."""
+  assert xla.DENSE.for_lengths(1100, 1100) == (552, 224)
+  assert xla.DENSE.backward.for_lengths(1100, 1100) == (368, 224)
   check_against_reference(*_inputs(1, 1100, 1100, 2, 1, 16), {}, block=xla.DENSE)
 
 
 def test_default_causal_tiles_match_reference():
-  """Causal at 1100 tokens on UNSTRUCTURED tiles: 3 x 368 q tiles (cut across the diagonal)."""
-  assert xla.UNSTRUCTURED.for_lengths(1100, 1100) == (368, 256)
+  """Causal at 1100 tokens on UNSTRUCTURED tiles: 3 x 368 q tiles, 5 x 224 key tiles (both
+  cut across the diagonal)."""
+  assert xla.UNSTRUCTURED.for_lengths(1100, 1100) == (368, 224)
   check_against_reference(*_inputs(1, 1100, 1100, 2, 1, 16), {"mask": M.Causal()},
                           block=xla.UNSTRUCTURED)
 
@@ -143,6 +146,9 @@ def test_dense_tiles_and_even_split():
   assert even.for_lengths(4096, 100) == (1024, 104)
   assert even.for_lengths(5000, 5000) == (1000, 128)
   assert xla.XlaBlockSizes(1024, 128).for_lengths(1500, 1500) == (1024, 128)
+  assert xla.UNSTRUCTURED.for_lengths(262, 262) == (264, 136)  # not 264 x 512 keys
+  assert xla.UNSTRUCTURED.for_lengths(4096, 4096) == (512, 256)
+  assert xla.XlaBlockSizes(512, 256, even_k=True).for_lengths(518, 518) == (512, 176)
 
 
 @pytest.mark.parametrize("name", ["causal_gqa4", "packed_segments"])
