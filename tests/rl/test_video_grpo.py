@@ -138,3 +138,32 @@ def test_cached_sp_on_one_device(setup):
   r1 = one.layout().response
   np.testing.assert_allclose(np.asarray(sp.logprobs(ex, RESP))[:, :r1], np.asarray(one.logprobs(ex, RESP)),
                              atol=1e-5)
+
+
+def test_evaluate_greedy_and_sampled(setup):
+  """Greedy: one answer per example; sampled: G answers per example, ``hits`` their mean, and
+  the mean reward equals the rewards of those samples (re-drawn with the same seed)."""
+  model, _ = setup
+  t = _trainer(model, "cached")
+  held = vt.VideoTaskSampler(SPEC, n_frames=8, seed=9).sample(3)
+  greedy, sampled = t.evaluate(held), t.evaluate(held, sampled=True, seed=4)
+  assert greedy["hits"].shape == sampled["hits"].shape == (3,)
+  assert set(np.unique(greedy["hits"])) <= {0.0, 1.0}
+  resp = t.rollout(held, t.encode(np.stack([e.frames for e in held])), seed=4)
+  g = t.config.grpo.group_size
+  assert len(resp) == 3 * g
+  want = np.mean([vt.reward(held[i // g], r) for i, r in enumerate(resp)])
+  assert sampled["reward"] == pytest.approx(want)
+  assert sampled["accuracy"] == pytest.approx(sampled["hits"].mean())
+
+
+def test_pretrain_stops_when_until_holds():
+  """``until`` is checked every ``check_every`` steps and ends the warm-up at the first True."""
+  calls = []
+  model = VLM(CFG, rngs=nnx.Rngs(1))
+  tasks = vt.VideoTaskSampler(SPEC, n_frames=8, seed=0)
+  _, loss = vg.pretrain_video_policy(model, tasks, steps=40, batch=2, check_every=3,
+                                     until=lambda m: calls.append(m) or len(calls) == 2)
+  assert len(calls) == 2 and isinstance(calls[0], VLM) and np.isfinite(loss)
+  with pytest.raises(ConfigError, match="check_every=0 must be >= 1"):
+    vg.pretrain_video_policy(model, tasks, steps=4, check_every=0)
