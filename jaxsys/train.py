@@ -79,8 +79,9 @@ log = logging.getLogger("jaxsys")
 # TrainConfig fields that change what the optimizer computes: a resume may not change them
 # silently (``train(..., allow_config_change=...)``).
 MATH_FIELDS = ("learning_rate", "warmup_steps", "total_steps", "min_lr_ratio", "weight_decay",
-               "b1", "b2", "grad_clip", "accum_steps")
+               "b1", "b2", "grad_clip", "accum_steps", "optimizer")
 ON_NONFINITE = ("raise", "skip")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 class NonFiniteError(FloatingPointError):
@@ -102,6 +103,8 @@ class TrainConfig:
   checkpoint_every: int | None = None
   max_to_keep: int = 2
   on_nonfinite: str = "raise"  # "raise" | "skip" (see the module docstring)
+  # "adamw", or "sgd": SGD with momentum b1 and decoupled weight decay (the detectors' optimizer)
+  optimizer: str = "adamw"
 
   def __post_init__(self):
     for name in ("total_steps", "accum_steps", "log_every"):
@@ -114,6 +117,8 @@ class TrainConfig:
       raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be >= 1 or None")
     if self.max_to_keep < 1:
       raise ConfigError(f"max_to_keep={self.max_to_keep} must be >= 1")
+    if self.optimizer not in OPTIMIZERS:
+      raise ConfigError(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
     if self.on_nonfinite not in ON_NONFINITE:
       raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be one of {ON_NONFINITE}")
 
@@ -124,7 +129,10 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
       0.0, cfg.learning_rate, max(warm, 1), max(cfg.total_steps, warm + 2),
       end_value=cfg.learning_rate * cfg.min_lr_ratio)
   parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-  parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+  if cfg.optimizer == "sgd":
+    parts += [optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule, momentum=cfg.b1)]
+  else:
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
   return optax.chain(*parts)
 
 

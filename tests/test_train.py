@@ -73,6 +73,25 @@ def test_loss_mask_and_bad_config():
     T.train(model, lambda s: batches(s, 6), T.TrainConfig(accum_steps=4, total_steps=1), progress=False)
 
 
+def test_sgd_optimizer_is_momentum_sgd_with_decoupled_decay():
+  """``optimizer="sgd"``: update = -lr(t) * (momentum trace of grad + weight_decay * param)."""
+  cfg = T.TrainConfig(optimizer="sgd", learning_rate=0.1, warmup_steps=0, total_steps=1000, b1=0.9,
+                      weight_decay=0.5, grad_clip=None, min_lr_ratio=1.0)
+  tx = T.make_optimizer(cfg)
+  p, g = {"w": jnp.asarray([2.0, -1.0])}, {"w": jnp.asarray([1.0, 3.0])}
+  state = tx.init(p)
+  want_trace = np.zeros(2)
+  for t in range(3):
+    lr = 0.0 if t == 0 else 0.1  # a one-step warm-up, then flat (min_lr_ratio=1)
+    upd, state = tx.update(g, state, p)
+    want_trace = 0.9 * want_trace + (np.asarray(g["w"]) + 0.5 * np.asarray(p["w"]))
+    np.testing.assert_allclose(np.asarray(upd["w"]), -lr * want_trace, rtol=1e-6)
+    p = {"w": p["w"] + upd["w"]}
+  with pytest.raises(ConfigError, match="optimizer='lion' must be one of"):
+    T.TrainConfig(optimizer="lion")
+  assert "optimizer" in T.MATH_FIELDS  # a resume may not switch optimizers silently
+
+
 def _tiny_job():
   """tests/_train_job.py: a tiny NNX regression model, its loss and batches (fast to compile)."""
   spec = importlib.util.spec_from_file_location("_train_job", Path(__file__).with_name("_train_job.py"))

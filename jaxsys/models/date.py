@@ -299,9 +299,11 @@ def predict_dataset(detect_fn, params, rest, images, *, batch_size: int = 64):
 
 def train_detector(model: DATE, data, *, steps: int, batch_size: int, learning_rate: float = 2e-3,
                    warmup_steps: int = 100, seed: int = 0, mesh=None, eval_every: int | None = None,
-                   on_eval=None):
+                   on_eval=None, optimizer: str = "adamw", weight_decay: float = 1e-4):
   """Trains ``model`` on ``data`` (a ``jaxsys.data.shapes.Shapes``) with the library's optimizer
-  (``train.make_optimizer``: AdamW, warm-up + cosine, clipping) and :func:`make_date_train_step`.
+  (``train.make_optimizer``: warm-up + cosine, clipping; ``optimizer="adamw"`` by default, or
+  ``"sgd"`` with momentum 0.9, the detectors' recipe, e.g. ``learning_rate=0.01`` at batch 16)
+  and :func:`make_date_train_step`.
 
   Batches are drawn without replacement per epoch from a ``seed``-ed permutation. With ``mesh``
   the batch is split over its "data" axis and parameters are replicated (data parallelism; the
@@ -313,7 +315,8 @@ def train_detector(model: DATE, data, *, steps: int, batch_size: int, learning_r
   if batch_size > len(data):
     raise ConfigError(f"batch_size={batch_size} must be <= the data set size {len(data)}")
   tx = make_optimizer(TrainConfig(learning_rate=learning_rate, warmup_steps=warmup_steps,
-                                  total_steps=steps, weight_decay=1e-4, b2=0.999, grad_clip=10.0))
+                                  total_steps=steps, weight_decay=weight_decay, b2=0.999, grad_clip=10.0,
+                                  optimizer=optimizer))
   step, graphdef, params, rest = make_date_train_step(model, tx)
   opt_state = tx.init(params)
   put = (lambda x: x)
