@@ -149,11 +149,12 @@ def rl_setup():
   return spec, cfg
 
 
-#: The warm-up stops once greedy accuracy on a validation set reaches this (checked every 50
-#: steps): a policy that solves only `count` (needle and order at chance, 1/64) leaves GRPO no
-#: signal on them, since every rollout of such a group scores the same and its advantages are 0;
-#: one that solves everything leaves nothing to learn.
+#: The warm-up stops once greedy accuracy on a validation set reaches this (checked every
+#: SFT_CHECK_EVERY steps): a policy that solves only `count` (needle and order at chance, 1/64)
+#: leaves GRPO no signal on them, since every rollout of such a group scores the same and its
+#: advantages are 0; one that solves everything leaves nothing to learn.
 SFT_TARGET = 0.55
+SFT_CHECK_EVERY = 50
 
 
 #: GRPO settings of part 3: LongVILA-R1's objective (clip 0.2/0.3, dual-clip 3, token-mean, k3 KL
@@ -176,10 +177,11 @@ def rl(quick, rows, config, out):
 
   t0 = time.perf_counter()
   model, sft_loss = vg.pretrain_video_policy(VLM(cfg, rngs=nnx.Rngs(0)), tasks, steps=sft_max, batch=32,
-                                             lr=5e-3, until=competent, check_every=50)
-  config.update(rl_frames=f, sft_steps=50 * len(checks), sft_target=SFT_TARGET, sft_val_accuracy=checks,
+                                             lr=5e-3, until=competent, check_every=SFT_CHECK_EVERY)
+  sft_steps = SFT_CHECK_EVERY * len(checks)
+  config.update(rl_frames=f, sft_steps=sft_steps, sft_target=SFT_TARGET, sft_val_accuracy=checks,
                 sft_loss=round(sft_loss, 4), rl_steps=rl_steps, sft_seconds=round(time.perf_counter() - t0, 1))
-  print(f"[mrsp] warm-up: {50 * len(checks)} steps, validation accuracy {checks[-1]:.2f}", flush=True)
+  print(f"[mrsp] warm-up: {sft_steps} steps, validation accuracy {checks[-1]:.2f}", flush=True)
   mesh = make_mesh({"ulysses": jax.device_count()})
   tr = vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached_sp", grpo=RL_GRPO), mesh=mesh)
   rng = np.random.default_rng(123)

@@ -65,7 +65,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, InputError, ShapeError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_one_of
 from jaxsys.core.mesh import logical_sharding, on_auto_axes
 
 __all__ = [
@@ -117,10 +117,8 @@ class TrainConfig:
       raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be >= 1 or None")
     if self.max_to_keep < 1:
       raise ConfigError(f"max_to_keep={self.max_to_keep} must be >= 1")
-    if self.optimizer not in OPTIMIZERS:
-      raise ConfigError(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
-    if self.on_nonfinite not in ON_NONFINITE:
-      raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be one of {ON_NONFINITE}")
+    check_one_of("optimizer", self.optimizer, OPTIMIZERS)
+    check_one_of("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

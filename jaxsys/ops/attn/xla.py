@@ -114,13 +114,7 @@ class XlaBlockSizes:
     return cls(tile, tile)
 
   def for_lengths(self, q_len: int, kv_len: int) -> tuple[int, int]:
-    bq = min(self.block_q, _round_up(q_len, 8))
-    if self.even_q:
-      bq = _round_up(-(-q_len // -(-q_len // bq)), 8)
-    bk = min(self.block_k, _round_up(kv_len, 8))
-    if self.even_k:
-      bk = _round_up(-(-kv_len // -(-kv_len // bk)), 8)
-    return bq, bk
+    return _tile(q_len, self.block_q, self.even_q), _tile(kv_len, self.block_k, self.even_k)
 
 
 # Unmasked attention: nothing to skip, so tiles only trade matmul size against cache residency.
@@ -143,6 +137,13 @@ SINGLE_TILE_MAX_Q = 16  # queries up to which a one-key-tile call skips the bloc
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def _tile(length: int, block: int, even: bool) -> int:
+  """Tile size for ``length`` tokens: ``block`` (at most the 8-rounded length) or, ``even``, the
+  same number of tiles made equal: ``ceil(length / ceil(length / block))`` rounded up to 8."""
+  t = min(block, _round_up(length, 8))
+  return _round_up(-(-length // -(-length // t)), 8) if even else t
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
