@@ -13,7 +13,14 @@
 (c) KV memory per token of context (dense vs LServe, incl. page statistics).
 (d) end-to-end decode tokens/s of ``jaxsys.serving.ServingEngine`` at long context, dense vs LServe
     (a small random-weight model whose attention shape matches (a)).
-(e) accuracy on the tiny trained retrieval model (``experiments/lserve_accuracy.py``).
+(e) accuracy on the tiny trained retrieval model (scaled page / sink / window settings).
+(f) ``smollm2`` (full mode only; ``experiments/_lserve_smollm2.py``): SmolLM2-135M-Instruct with
+    learned DuoAttention gates: passkey at 2K / 4K / 8K, 16 seeds, dense / streaming heads only /
+    page selection only / LServe, and the engine's decode tokens/s and prefill time at 8K.
+
+  python -m experiments.lserve --quick                 # (a)-(e), scaled down
+  python -m experiments.lserve                         # everything, SmolLM2 included
+  python -m experiments.lserve --parts smollm2         # one part alone -> lserve_smollm2/
 """
 
 from __future__ import annotations
@@ -402,20 +409,44 @@ def _plot(curve, out):
   plt.close(fig)
 
 
-def run(quick: bool, out_dir: str) -> list[Row]:
+PARTS = ("decode", "memory", "prefill", "engine", "accuracy", "smollm2")
+
+
+def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
+  """``parts``: names from ``PARTS`` to run alone (written as ``lserve_<parts>``). ``smollm2``
+  (the real model, ``experiments/_lserve_smollm2.py``) runs in the full mode only."""
+  parts = tuple(parts or PARTS)
+  if set(parts) - set(PARTS):
+    raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
+  name = "lserve" if parts == PARTS else "lserve_" + "_".join(parts)
   contexts = (4096, 16384, 65536) if quick else (4096, 8192, 16384, 32768, 65536, 131072)
   iters = 5 if quick else 10
-  out = run_dir("lserve", out_dir)
-  rows, curve = bench_decode(contexts, iters)
-  _plot(curve, out)
-  rows += memory_rows()
-  rows += prefill_rows(quick)
-  rows += engine_rows(quick)
-  rows += accuracy_rows(quick, out)
-  write_result("lserve", rows, quick=quick, out_dir=out_dir,
+  out = run_dir(name, out_dir)
+  rows, details = [], {}
+  if "decode" in parts:
+    decode, curve = bench_decode(contexts, iters)
+    _plot(curve, out)
+    rows += decode
+  if "memory" in parts:
+    rows += memory_rows()
+  if "prefill" in parts:
+    rows += prefill_rows(quick)
+  if "engine" in parts:
+    rows += engine_rows(quick)
+  if "accuracy" in parts:
+    rows += accuracy_rows(quick, out)
+  if "smollm2" in parts:
+    if quick:
+      rows.append(Row("SmolLM2 passkey / 8K speed rows", "", ours=None,
+                      note="full mode only: python -m experiments.lserve --parts smollm2"))
+    else:
+      from experiments import _lserve_smollm2
+      rows += _lserve_smollm2.run(out, details)
+  write_result(name, rows, quick=quick, out_dir=out_dir, extra={"details": details} if details else None,
                config={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page": PAGE,
                        "logical_page": LOGICAL, "budget": BUDGET, "reuse": REUSE, "sink": SINK,
-                       "window": WINDOW, "contexts": list(contexts), "dtype": "float32"})
+                       "window": WINDOW, "contexts": list(contexts), "dtype": "float32",
+                       "parts": list(parts)})
   return rows
 
 

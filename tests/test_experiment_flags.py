@@ -70,3 +70,18 @@ def test_mmsp_setups_follow_the_mesh():
     make_setups(8, {"ring": 4, "ulysses": 4})
   with pytest.raises(ConfigError, match="not used by mmsp"):
     make_setups(8, {"graph": 8})
+
+
+def test_lserve_parts_run_alone_and_name_their_result(tmp_path):
+  import json
+
+  from experiments import lserve
+  rows = lserve.run(True, str(tmp_path), parts=("memory", "smollm2"))
+  saved = json.loads((tmp_path / "lserve_memory_smollm2" / "result.json").read_text())
+  assert saved["config"]["parts"] == ["memory", "smollm2"]
+  assert [r["metric"] for r in saved["rows"]] == [r.metric for r in rows]
+  # the real-model rows are the full mode's: quick says how to get them instead of measuring
+  (note,) = [r for r in rows if r.metric.startswith("SmolLM2")]
+  assert note.ours is None and "--parts smollm2" in note.note
+  with pytest.raises(ValueError, match="must be among"):
+    lserve.run(True, str(tmp_path), parts=("nope",))

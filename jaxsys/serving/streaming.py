@@ -69,7 +69,9 @@ class StreamingGates:
                                      sparsity=sparsity, history=self.history)
 
   def save(self, path) -> None:
-    Path(path).write_text(json.dumps(dataclasses.asdict(self)))
+    """Writes our JSON atomically (a reader never sees a partial file)."""
+    from jaxsys.core.checkpoint import write_atomic
+    write_atomic(path, json.dumps(dataclasses.asdict(self)))
 
   @classmethod
   def load(cls, path, *, sparsity: float = 0.5, sink: int | None = None,
@@ -92,7 +94,11 @@ class StreamingGates:
 
   def save_tsv(self, path) -> None:
     """Writes the gates in DuoAttention's ``full_attention_heads.tsv`` format."""
-    np.savetxt(path, np.asarray(self.alpha), delimiter="\t", fmt="%.6f")
+    import io
+    from jaxsys.core.checkpoint import write_atomic
+    buf = io.StringIO()
+    np.savetxt(buf, np.asarray(self.alpha), delimiter="\t", fmt="%.6f")
+    write_atomic(path, buf.getvalue())
 
 
 @jax.tree_util.register_dataclass
