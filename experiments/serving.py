@@ -118,7 +118,9 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
   proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host",
                            "127.0.0.1", "--port", str(port), "--n_ctx", "8192", "--model_alias", "peer",
                            # its default is half the cores; jaxsys uses all of them
-                           "--n_threads", str(threads), "--n_threads_batch", str(threads)],
+                           "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                           # by default a new request cancels the one streaming: queue them instead
+                           "--interrupt_requests", "False"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   return proc
 
