@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from experiments.lserve import accuracy_engine
 from jaxsys.core.results import Row
 
 MODEL = "smollm2-135m-instruct"
@@ -69,14 +70,6 @@ def _gates(model, tok, out, progress=True):
   return gates, f"{note}; {n} of {np.size(gates.streaming)} kv heads streaming"
 
 
-def _engine(model, ls, flags, longest: int, batch: int):
-  from jaxsys.serving import ServingConfig, ServingEngine
-  cfg = ServingConfig(lserve=ls, max_batch=batch, max_seq_len=longest,
-                      num_pages=batch * (-(-longest // ls.page_size)) + 1,
-                      prefill_chunk=1 << (longest - 1).bit_length())
-  return ServingEngine(model, cfg, streaming=flags)
-
-
 def _configs(ctx: int, gates):
   from jaxsys.serving.lserve import LServeConfig
   full = -(-(ctx + NEW + 8) // PAGE) * PAGE
@@ -94,8 +87,8 @@ def _configs(ctx: int, gates):
   }
 
 
-def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS, only=None) -> list[Row]:
-  """Passkey accuracy per length and configuration (``only``: a predicate on the names to run)."""
+def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS) -> list[Row]:
+  """Passkey accuracy per length and configuration (dense first: the others are points vs it)."""
   from jaxsys.data import passkey_prompts
   rows = []
   for n in lengths:
@@ -104,9 +97,7 @@ def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS, only=
     longest = max(len(c[0]) for c in cases) + NEW
     acc = {}
     for name, (ls, flags) in _configs(longest, gates).items():
-      if only is not None and not only(name):
-        continue
-      eng = _engine(model, ls, flags, longest, MAX_BATCH)
+      eng = accuracy_engine(model, ls, flags, longest, MAX_BATCH)
       t0, hits = time.perf_counter(), []
       res = eng.generate([c[0] for c in cases], NEW, stop_tokens=())
       for (_, key), t in zip(cases, res.tokens):
@@ -118,7 +109,7 @@ def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS, only=
       acc[name] = 100.0 * float(np.mean(hits))
       print(f"  smollm2 passkey @{n}: {name}: {acc[name]:.1f}% ({time.perf_counter() - t0:.0f} s)",
             flush=True)
-      dense = acc.get("dense", details.get("passkey", {}).get(str(n), {}).get("dense"))
+      dense = acc["dense"]
       goal = ">= -2" if name.startswith("LServe") else None
       rows.append(Row(f"SmolLM2 passkey accuracy @{n // 1024}K, {name}", "%", ours=acc[name],
                       baseline=None if name == "dense" else dense,
@@ -126,18 +117,21 @@ def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS, only=
                       ratio=None if name == "dense" else acc[name] - dense, goal=goal,
                       note=f"{seeds} seeds, prompts of {len(cases[0][0])} tokens, greedy {NEW} tokens; "
                            "ratio = points vs dense"))
-    details.setdefault("passkey", {}).setdefault(str(n), {}).update(acc)
+    details.setdefault("passkey", {})[str(n)] = acc
   return rows
 
 
 def speed_rows(model, gates, ctx: int = 8192 - 64, new: int = 32, rounds: int = 3) -> list[Row]:
   """Decode tokens/s and prefill seconds of one ``ctx``-token request, dense vs LServe."""
   rng = np.random.default_rng(0)
-  fresh = lambda: rng.integers(100, 40000, ctx).tolist()  # noqa: E731  a new prompt per prefill:
-  prompt = fresh()                                          # the dense engine's prefix cache would
-  longest = ctx + new + 8                                   # skip a repeated one
+
+  def fresh():  # a new prompt per call: the dense engine's prefix cache would skip a repeated one
+    return rng.integers(100, 40000, ctx).tolist()
+
+  prompt = fresh()
+  longest = ctx + new + 8
   picks = {k: v for k, v in _configs(longest, gates).items() if k == "dense" or k.startswith("LServe")}
-  engines = {k: _engine(model, ls, flags, longest, 1) for k, (ls, flags) in picks.items()}
+  engines = {k: accuracy_engine(model, ls, flags, longest, 1) for k, (ls, flags) in picks.items()}
   for eng in engines.values():                        # compile prefill and every decode step kind
     eng.generate([prompt], new, stop_tokens=())
   best: dict[tuple[str, str], float] = {}

@@ -283,15 +283,21 @@ def passkey_data(n: int, length: int, seed: int, task: str = "passkey"):
   return distillation_data(n, length, seed, task=task)
 
 
+def accuracy_engine(model, ls, streaming, longest: int, max_batch: int):
+  """The engine the accuracy rows run: ``max_batch`` requests of up to ``longest`` tokens, pages
+  for all of them, each prompt prefilled in one chunk."""
+  from jaxsys.serving import ServingConfig, ServingEngine
+  cfg = ServingConfig(lserve=ls, max_batch=max_batch, max_seq_len=longest,
+                      num_pages=max_batch * (-(-longest // ls.page_size)) + 1,
+                      prefill_chunk=1 << (longest - 1).bit_length())
+  return ServingEngine(model, cfg, streaming=streaming)
+
+
 def _accuracy(model, exs, ls, streaming, max_batch=8) -> float:
   from jaxsys.data import synthetic
-  from jaxsys.serving import ServingEngine, ServingConfig
   longest = max(len(e.prompt) for e in exs) + 8
-  cfg = ServingConfig(lserve=ls, max_batch=max_batch, max_seq_len=longest,
-                     num_pages=max_batch * (-(-longest // ls.page_size)) + 1,
-                     prefill_chunk=1 << (longest - 1).bit_length())
-  res = ServingEngine(model, cfg, streaming=streaming).generate([list(e.prompt) for e in exs],
-                                                        len(exs[0].answer), stop_tokens=())
+  res = accuracy_engine(model, ls, streaming, longest, max_batch).generate(
+      [list(e.prompt) for e in exs], len(exs[0].answer), stop_tokens=())
   return 100.0 * float(np.mean([synthetic.reward(e, t) for e, t in zip(exs, res.tokens)]))
 
 

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from jaxsys.core.bench import read_bandwidth
+from jaxsys.core.bench import cpu_cores, read_bandwidth
 from jaxsys.core.results import Row, write_result
 from jaxsys.data.synthetic import passkey_prompts
 
@@ -46,10 +46,6 @@ _NO_LLAMA = "llama.cpp not measured: pip install 'jaxsys[bench]' (llama-cpp-pyth
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _threads() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _timed(fn) -> float:
@@ -89,8 +85,8 @@ class _Llama:
 
     llama_mod.llama_cpp.llama_model_default_params = params
     try:
-      self.llm = llama_cpp.Llama(model_path=str(path), n_threads=_threads(),
-                                 n_threads_batch=_threads(), n_ctx=n_ctx, n_batch=512,
+      self.llm = llama_cpp.Llama(model_path=str(path), n_threads=cpu_cores(),
+                                 n_threads_batch=cpu_cores(), n_ctx=n_ctx, n_batch=512,
                                  verbose=False)
     finally:
       llama_mod.llama_cpp.llama_model_default_params = default
@@ -128,7 +124,7 @@ def _llama_files(src) -> dict[str, object]:
     dst = folder / f"{src.stem}.{name}.gguf"
     if not dst.is_file():
       p = llama_cpp.llama_model_quantize_default_params()
-      p.ftype, p.allow_requantize, p.nthread = ftype, True, _threads()
+      p.ftype, p.allow_requantize, p.nthread = ftype, True, cpu_cores()
       tmp = dst.with_suffix(".part")
       with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p))
@@ -189,7 +185,7 @@ def _decode(ctx, quick: bool) -> list[Row]:
       goal = ">= 1.0" if peer in ("F32", "F16") else None
       rows.append(Row(f"greedy decode tokens/s, batch 1, jaxsys {ours_name} vs llama.cpp {peer}",
                       "tokens/s (ratio ours/baseline)", ours=tps, baseline=theirs,
-                      baseline_name=f"llama.cpp {peer}, {_threads()} threads", ratio=tps / theirs,
+                      baseline_name=f"llama.cpp {peer}, {cpu_cores()} threads", ratio=tps / theirs,
                       goal=goal, note=note))
       lb = bw / ctx["llama_bytes"][peer]
       rows.append(Row(f"batch-1 decode, fraction of the bandwidth bound, {ours_name} / {peer}",
@@ -240,7 +236,7 @@ def _transformers_eager(ctx, prompt, ours_step) -> list[Row]:
   with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
-  torch.set_num_threads(_threads())
+  torch.set_num_threads(cpu_cores())
   new = 8
   ids = torch.as_tensor([prompt])
   with torch.no_grad():
@@ -365,7 +361,7 @@ def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
     rows += _PART_FUNCS[part](ctx, quick)
   name = "_".join([NAME, *parts]) if parts else NAME
   config = {"model": MODEL, "gguf": ctx["gguf"].name, "params": base.config.num_params(),
-            "threads": _threads(), "read_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
+            "threads": cpu_cores(), "read_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
             "weight_bytes": ctx["bytes"], "llama_cpp": llama_note,
             "llama_weight_bytes": ctx.get("llama_bytes"), "parts": selected,
             # llama.cpp's OpenMP threads spin at barriers: on a shared machine it slows far more

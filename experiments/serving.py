@@ -114,7 +114,8 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
   from jaxsys.models import pretrained
   src = pretrained.find("smollm2-135m-instruct") if tok is not None else None
   path = M.save_gguf(model, workdir / "model-f32.gguf", dtype="f32", tokenizer=src)
-  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  from jaxsys.core.bench import cpu_cores
+  threads = cpu_cores()
   proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host",
                            "127.0.0.1", "--port", str(port), "--n_ctx", "8192", "--model_alias", "peer",
                            # its default is half the cores; jaxsys uses all of them

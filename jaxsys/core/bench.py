@@ -17,7 +17,8 @@ from collections.abc import Callable
 import jax
 
 __all__ = [
-    "BACKEND_COMPILES", "bandwidth_probe", "block", "compile_count", "compiled_memory", "count_trace", "hardware_string",
+    "BACKEND_COMPILES", "bandwidth_probe", "block", "compile_count", "compiled_memory", "count_trace", "cpu_cores",
+    "hardware_string",
     "matmul_peak_gflops", "read_bandwidth", "time_fn", "time_interleaved", "Timing", "TRACE_COUNTS", "watch_compiles",
 ]
 
@@ -124,11 +125,17 @@ def read_bandwidth(gib: float = 1.0, iters: int = 5) -> dict[str, float]:
   return {"xla": nbytes / best, "numpy": nbytes / best_np}
 
 
+def cpu_cores() -> int:
+  """Cores this process may run on (its affinity mask where the OS has one): the thread count to
+  give a CPU peer (llama.cpp) so that it uses what XLA uses."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def hardware_string() -> str:
   """One line naming the backend and, on CPU, the core count and processor."""
   backend = jax.default_backend()
   if backend == "cpu":
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_cores()
     proc = platform.processor() or platform.machine()
     try:
       with open("/proc/cpuinfo") as f:
