@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--logical-page", type=int, default=16)
   p.add_argument("--reuse", type=int, default=4, help="decode steps a page selection is reused")
+  p.add_argument("--sink-pages", type=int, default=1,
+                 help="leading pages every retrieval-head selection keeps (the attention sink)")
   p.add_argument("--sink", type=int, default=64)
   p.add_argument("--window", type=int, default=256)
   p.add_argument("--prefill-sink", type=int, default=None, help="streaming heads' sink in prefill "
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     ls = LServeConfig(dense=dense, page_size=args.page_size, logical_page_size=args.logical_page,
                       token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
                       window=args.window, kv_int8=args.kv_int8, prefill_sink=args.prefill_sink,
-                      prefill_window=args.prefill_window)
+                      prefill_window=args.prefill_window, sink_pages=args.sink_pages)
     cfg = ServingConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
                        max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
                        else args.max_seq_len, max_num_batched_tokens=args.max_num_batched_tokens,

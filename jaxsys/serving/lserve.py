@@ -43,6 +43,7 @@ class LServeConfig:
   learned; ``sink``/``window`` are in tokens. ``prefill_sink`` / ``prefill_window`` (None: the
   same as decode) give streaming heads a different sink + local span during prefill, as
   omniserve configures prefill and decode separately; the streaming pool keeps what decode reads.
+  ``sink_pages``: leading pages every retrieval-head selection keeps (``SelectionConfig``).
   """
   dense: bool = False
   page_size: int = 64
@@ -56,10 +57,11 @@ class LServeConfig:
   impl: str = "auto"
   prefill_sink: int | None = None
   prefill_window: int | None = None
+  sink_pages: int = 1
 
   def __post_init__(self):
     # SelectionConfig validates page/budget divisibility with errors naming the fields.
-    ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size, self.reuse_steps)
+    self.selection_config()
     check_range("streaming_fraction", self.streaming_fraction, 0.0, 1.0)
     check_min(self, 1, "window")
     check_min(self, 0, "sink")
@@ -73,8 +75,11 @@ class LServeConfig:
     """The page selection these settings describe (None when ``dense``)."""
     if self.dense:
       return None
+    return self.selection_config()
+
+  def selection_config(self) -> ps.SelectionConfig:
     return ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size,
-                              self.reuse_steps)
+                              self.reuse_steps, self.sink_pages)
 
   def cache_config(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                    max_requests: int, streaming=None, dtype: str = "float32") -> PagedCacheConfig:
@@ -112,7 +117,8 @@ def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st:
       scores = ps.page_scores(q, st.kmin[layer], st.kmax[layer], block_table, lengths,
                               page_size=c.page_size, logical_page_size=c.logical_page_size,
                               impl=impl)
-      numbers = ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size)
+      numbers = ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size,
+                                sink_pages=sel.sink_pages)
     num = ps.with_newest_page(numbers, lengths, page_size=c.page_size)
     idx = ps.physical_pages(block_table, num)
   (k, ks), (v, vs) = st.pool("k", layer), st.pool("v", layer)

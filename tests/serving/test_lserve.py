@@ -55,6 +55,7 @@ def test_small_budget_reads_top_pages_only():
   out, numbers = jax.jit(lambda st, q: lserve.decode_attention(c, sel, st, 0, q, bt, stt, lengths))(st, q)
   numbers = np.asarray(numbers)
   assert numbers.shape == (1, 2, 3) and (numbers[:, :, -1] == 5).all()  # newest page kept
+  assert (numbers[:, :, 0] == 0).all()  # and the first (the attention sink)
   for h in range(HK):  # output == attention restricted to the chosen pages' tokens
     keep = np.isin(np.arange(45) // 8, numbers[0, h])
     for hq in (2 * h, 2 * h + 1):

@@ -40,8 +40,13 @@ def test_scores_are_upper_bounds_and_match_bruteforce():
 def test_select_rules():
   scores = jnp.asarray([[[5., 1., 9., 3., 7., 2.]]])
   # newest page (length 41 with page 8 -> page 5) forced; top-2 of the rest by score
-  out = ps.select_pages(scores, jnp.asarray([41]), num_select=3, page_size=8)
+  out = ps.select_pages(scores, jnp.asarray([41]), num_select=3, page_size=8, sink_pages=0)
   assert out.tolist() == [[[2, 4, 5]]]
+  # by default the first page (the attention sink) is forced too, whatever its score
+  low_sink = scores.at[0, 0, 0].set(-10.0)
+  assert ps.select_pages(low_sink, jnp.asarray([41]), num_select=3, page_size=8).tolist() == [[[0, 2, 5]]]
+  out = ps.select_pages(low_sink, jnp.asarray([41]), num_select=4, page_size=8, sink_pages=2)
+  assert out.tolist() == [[[0, 1, 2, 5]]]
   # context fits the budget: every page, empty slots -1
   out = ps.select_pages(scores, jnp.asarray([17]), num_select=4, page_size=8)
   assert out.tolist() == [[[0, 1, 2, -1]]]
@@ -57,6 +62,10 @@ def test_selection_config_validation():
     ps.SelectionConfig(token_budget=100, page_size=64)
   with pytest.raises(ConfigError, match="logical_page_size=24"):
     ps.SelectionConfig(page_size=64, logical_page_size=24)
+  with pytest.raises(ConfigError, match="sink_pages=3"):
+    ps.SelectionConfig(token_budget=192, page_size=64, sink_pages=3)
+  with pytest.raises(ConfigError, match="sink_pages"):
+    ps.SelectionConfig(sink_pages=-1)
 
 
 def test_page_scores_dispatch_errors():
