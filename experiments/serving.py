@@ -2,6 +2,7 @@
 
   python -m experiments.serving --quick      # a 4-layer random-weight model, token-id prompts
   python -m experiments.serving              # SmolLM2-135M-Instruct (jaxsys fetch it first)
+  python -m experiments.serving --parts long  # only the 8K-token prompts -> serving_long/
 
 Each server (``jaxsys.serving.openai_server.start_server`` on 127.0.0.1) gets the same load
 through the official ``openai`` client (``AsyncOpenAI``, streamed ``/v1/completions``, HTTP on
@@ -16,6 +17,11 @@ continuous batching does), continuous batching with dense attention, and continu
 with LServe (page selection + 50% streaming heads). The peer a user would run instead,
 llama.cpp's OpenAI-compatible server (``python -m llama_cpp.server``, the ``bench`` extra), gets
 the same load on the same weights written as an F32 GGUF when ``llama_cpp`` is installed.
+
+Part ``long``: 6 prompts of ~8K tokens (4 of 2K on the quick model), 32 new tokens each, arriving
+at 0.2 req/s (faster than any server here finishes one): continuous batching with dense attention
+vs LServe (page selection at 1/4 of the context, 50% streaming heads) vs llama.cpp's server.
+Goal: LServe's throughput ahead of both.
 """
 
 from __future__ import annotations
@@ -126,10 +132,67 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
   return proc
 
 
-def run(quick: bool, out_dir) -> list[Row]:
-  from jaxsys.serving.openai_server import start_server
-  out = run_dir(NAME, out_dir)
+PARTS = ("rates", "long")
+
+
+def run(quick: bool, out_dir, parts=None) -> list[Row]:
+  """``parts``: ``rates`` (ragged prompts at three rates), ``long`` (8K-token prompts: dense vs
+  LServe vs llama.cpp); a subset is written as ``serving_<parts>``."""
+  parts = tuple(parts or PARTS)
+  if set(parts) - set(PARTS):
+    raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
+  name = NAME if parts == PARTS else NAME + "_" + "_".join(parts)
+  out = run_dir(name, out_dir)
   model, tok, model_name = _model(quick)
+  config = {"model": model_name, "load_average_start": round(os.getloadavg()[0], 2)}
+  rows, results = [], {}
+  if "rates" in parts:
+    rows += _rates(quick, model, tok, model_name, config, results, out)
+  if "long" in parts:
+    rows += _long(quick, model, tok, model_name, config, results)
+  config["load_average_end"] = round(os.getloadavg()[0], 2)
+  write_result(name, rows, config=config, quick=quick, out_dir=out_dir,
+               extra={"results": {f"{k[0]} @ {k[1]}": v for k, v in results.items()}})
+  return rows
+
+
+def _serve_load(servers: dict, model_name: str, load: list, rate: float, max_tokens: int, seed: int,
+                results: dict, key) -> None:
+  """The same open-loop load against each server in turn; summaries into ``results[(name, key)]``."""
+  for name, server in servers.items():
+    res = asyncio.run(_load(server.url, model_name, load, rate, max_tokens, seed=seed))
+    results[(name, key)] = _summary(res)
+    print(f"  {name} @ {key}: {results[(name, key)]}", flush=True)
+
+
+def _peer_load(model, tok, loads: list, rates: list, max_tokens: int, results: dict, key_of) -> str:
+  """The llama.cpp server under the same loads; returns what the config records about it."""
+  with tempfile.TemporaryDirectory() as tmp:
+    proc = _llama_cpp_server(model, tok, Path(tmp), 8791)
+    if proc is not None:
+      try:
+        _wait_http("http://127.0.0.1:8791/v1/models", proc)
+        for i, (load, rate) in enumerate(zip(loads, rates)):
+          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, i))
+          results[("llama.cpp", key_of(rate))] = _summary(res)
+          print(f"  llama.cpp @ {key_of(rate)}: {results[('llama.cpp', key_of(rate))]}", flush=True)
+      finally:
+        proc.terminate()
+      return "measured"
+  if importlib.util.find_spec("llama_cpp") is None:
+    return "not measured: llama-cpp-python is not installed (pip install 'jaxsys[bench]')"
+  return "not measured: the quick model has no tokenizer for a GGUF (the full mode runs it)"
+
+
+def _texts(tok, prompts):
+  # Text for a tokenizer-backed model: llama.cpp's server takes strings only. Random ids share no
+  # prefix, so neither server's prefix reuse helps; re-encoding the decoded text changes the
+  # token counts by a few tokens (both servers tokenize the same text with the same vocabulary).
+  return prompts if tok is None else [tok.decode(p) for p in prompts]
+
+
+def _rates(quick, model, tok, model_name, config, results, out) -> list[Row]:
+  from jaxsys.serving.openai_server import start_server
   page, max_tokens = (16, 16) if quick else (64, 32)
   n_req = 16 if quick else 48
   lens = (40, 200) if quick else (200, 1500)
@@ -137,19 +200,12 @@ def run(quick: bool, out_dir) -> list[Row]:
   rng = np.random.default_rng(0)
   vocab = model.config.vocab_size
   # fresh prompts for every rate (a repeated prompt would hit the prefix cache of an earlier rate)
-  load = {i: [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(*lens, n_req)] for i in range(4)}
+  load = {i: _texts(tok, [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(*lens, n_req)])
+          for i in range(4)}
   # warm-up: every prefill chunk bucket (16 ... 256 tokens) and the decode step
-  warm = [rng.integers(3, vocab, n).tolist() for n in (12, 30, 60, 120, lens[1] - 1)]
-  if tok is not None:
-    # Text for a tokenizer-backed model: llama.cpp's server takes strings only. Random ids share no
-    # prefix, so neither server's prefix reuse helps; re-encoding the decoded text changes the
-    # token counts by a few tokens (both servers tokenize the same text with the same vocabulary).
-    load = {i: [tok.decode(p) for p in ps] for i, ps in load.items()}
-    warm = [tok.decode(p) for p in warm]
-  config = {"model": model_name, "requests_per_rate": n_req, "prompt_tokens": list(lens),
-            "max_tokens": max_tokens, "page_size": page,
-            "load_average_start": round(os.getloadavg()[0], 2)}
-  results: dict = {}
+  warm = _texts(tok, [rng.integers(3, vocab, n).tolist() for n in (12, 30, 60, 120, lens[1] - 1)])
+  config.update({"requests_per_rate": n_req, "prompt_tokens": list(lens), "max_tokens": max_tokens,
+                 "page_size": page})
   servers = {}
   try:
     for name, make in _engines(model, tok, page, max_seq).items():
@@ -167,27 +223,12 @@ def run(quick: bool, out_dir) -> list[Row]:
     config["service_s_per_request"] = round(per, 3)
     config["rates_req_s"] = rates
     for i, rate in enumerate(rates):  # servers interleaved at each rate (the machine is shared)
-      for name, server in servers.items():
-        res = asyncio.run(_load(server.url, model_name, load[i], rate, max_tokens, seed=i))
-        results[(name, rate)] = _summary(res)
-        print(f"  {name} @ {rate} req/s: {results[(name, rate)]}", flush=True)
+      _serve_load(servers, model_name, load[i], rate, max_tokens, i, results, rate)
   finally:
     for server in servers.values():
       server.stop()
-  with tempfile.TemporaryDirectory() as tmp:
-    proc = _llama_cpp_server(model, tok, Path(tmp), 8791)
-    if proc is not None:
-      try:
-        _wait_http("http://127.0.0.1:8791/v1/models", proc)
-        for i, rate in enumerate(rates):
-          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load[i], rate, max_tokens, i))
-          results[("llama.cpp", rate)] = _summary(res)
-      finally:
-        proc.terminate()
-  config["llama_cpp"] = "measured" if ("llama.cpp", rates[-1]) in results else (
-      "not measured: llama-cpp-python is not installed (pip install 'jaxsys[bench]')"
-      if importlib.util.find_spec("llama_cpp") is None else
-      "not measured: the quick model has no tokenizer for a GGUF (the full mode runs it)")
+  config["llama_cpp"] = _peer_load(model, tok, [load[i] for i in range(3)], rates, max_tokens, results,
+                                   lambda r: r)
   rows = []
   top = rates[-1]
   for rate in rates:
@@ -208,10 +249,65 @@ def run(quick: bool, out_dir) -> list[Row]:
     rows.append(Row(f"throughput @ {top} req/s vs llama.cpp server", "tokens/s (ratio = ours/baseline)",
                     ours=d["throughput"], baseline=p["throughput"], baseline_name="llama.cpp (F32 GGUF)",
                     ratio=d["throughput"] / p["throughput"], goal=">= 1"))
-  _plot(results, rates, out / "latency_vs_rate.png")
-  config["load_average_end"] = round(os.getloadavg()[0], 2)
-  write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir,
-               extra={"results": {f"{k[0]} @ {k[1]}": v for k, v in results.items()}})
+  _plot({k: v for k, v in results.items() if k[1] in rates}, rates, out / "latency_vs_rate.png")
+  return rows
+
+
+def _long(quick, model, tok, model_name, config, results) -> list[Row]:
+  """8K-token prompts (2K on the quick model) arriving faster than any server finishes them:
+  continuous batching with dense attention vs LServe (selection at 1/4 of the context, 50%
+  streaming heads), and llama.cpp's server on the same text."""
+  from jaxsys.serving import ServingConfig, ServingEngine
+  from jaxsys.serving.lserve import LServeConfig
+  from jaxsys.serving.openai_server import start_server
+  page, max_tokens, n_req = (16, 16, 4) if quick else (64, 32, 6)
+  ctx = 2048 if quick else 8192
+  n_ids = ctx - max_tokens - (64 if quick else 400)   # room for re-tokenisation of the decoded text
+  rate = 1.0 if quick else 0.2     # full: one request every ~5 s, each needs >= 10 s of prefill
+  rng = np.random.default_rng(1)
+  vocab = model.config.vocab_size
+  load = _texts(tok, [rng.integers(3, vocab, n_ids).tolist() for _ in range(n_req)])
+  warm = _texts(tok, [rng.integers(3, vocab, n_ids).tolist() for _ in range(n_req)])
+  mc = model.config
+  flags = [[(h + layer) % 2 == 0 for h in range(mc.num_kv_heads)] for layer in range(mc.num_layers)]
+  common = dict(max_batch=4, num_pages=4 * (ctx // page) + 8, max_seq_len=ctx, prefill_chunk=ctx // 4,
+                max_num_batched_tokens=ctx // 4 + 4)
+  base = dict(page_size=page, logical_page_size=page // 4, sink=page, window=4 * page)
+  engines = {
+      "long: continuous (dense)": lambda: ServingEngine(
+          model, ServingConfig(lserve=LServeConfig(dense=True, **base), **common), tokenizer=tok),
+      "long: continuous (LServe)": lambda: ServingEngine(
+          model, ServingConfig(lserve=LServeConfig(token_budget=ctx // 4, **base), **common),
+          streaming=flags, tokenizer=tok),
+  }
+  key = f"{ctx // 1024}K prompts, {rate} req/s"
+  config["long"] = {"requests": n_req, "prompt_ids": n_ids, "max_tokens": max_tokens, "rate_req_s": rate,
+                    "lserve": f"budget {ctx // 4}, 50% streaming heads (sink {page}, window {4 * page})"}
+  servers = {}
+  try:
+    for name, make in engines.items():
+      servers[name] = start_server(make(), model_name, max_pending=10_000)
+      # compile: the same load shape once on other prompts (prefill buckets, mixed steps)
+      asyncio.run(_load(servers[name].url, model_name, warm, rate, max_tokens, 1))
+    _serve_load(servers, model_name, load, rate, max_tokens, 0, results, key)
+  finally:
+    for server in servers.values():
+      server.stop()
+  config["long"]["llama_cpp"] = _peer_load(model, tok, [load], [rate], max_tokens, results, lambda r: key)
+  ls, d = results[("long: continuous (LServe)", key)], results[("long: continuous (dense)", key)]
+  rows = [Row(f"throughput, {key}: LServe vs dense", "tokens/s (ratio = ours/baseline)",
+              ours=ls["throughput"], baseline=d["throughput"], baseline_name="continuous (dense)",
+              ratio=ls["throughput"] / d["throughput"], goal=">= 1"),
+          Row(f"TTFT p50, {key}: LServe vs dense", "s", ours=ls["ttft_p50"], baseline=d["ttft_p50"],
+              baseline_name="continuous (dense)", ratio=d["ttft_p50"] / ls["ttft_p50"])]
+  if ("llama.cpp", key) in results:
+    p = results[("llama.cpp", key)]
+    rows += [Row(f"throughput, {key}: LServe vs llama.cpp server", "tokens/s (ratio = ours/baseline)",
+                 ours=ls["throughput"], baseline=p["throughput"], baseline_name="llama.cpp (F32 GGUF)",
+                 ratio=ls["throughput"] / p["throughput"], goal=">= 1"),
+             Row(f"TTFT p50, {key}: LServe vs llama.cpp server", "s", ours=ls["ttft_p50"],
+                 baseline=p["ttft_p50"], baseline_name="llama.cpp (F32 GGUF)",
+                 ratio=p["ttft_p50"] / ls["ttft_p50"])]
   return rows
 
 

@@ -85,3 +85,10 @@ def test_lserve_parts_run_alone_and_name_their_result(tmp_path):
   assert note.ours is None and "--parts smollm2" in note.note
   with pytest.raises(ValueError, match="must be among"):
     lserve.run(True, str(tmp_path), parts=("nope",))
+
+
+def test_serving_parts_are_checked(tmp_path):
+  from experiments import serving
+  assert serving.PARTS == ("rates", "long")
+  with pytest.raises(ValueError, match="must be among"):
+    serving.run(True, str(tmp_path), parts=("nope",))
