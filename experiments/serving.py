@@ -57,12 +57,11 @@ def _model(quick: bool):
 def _engines(model, tok, page: int, max_seq: int):
   from jaxsys.serving import ServingConfig, ServingEngine
   from jaxsys.serving.lserve import LServeConfig
-  mc = model.config
   pages = 8 * (-(-max_seq // page)) + 8
   dense = LServeConfig(dense=True, page_size=page, logical_page_size=page // 4)
   ls = LServeConfig(page_size=page, logical_page_size=page // 4, token_budget=4 * page,
                     sink=page, window=2 * page)
-  flags = [[(h + layer) % 2 == 0 for h in range(mc.num_kv_heads)] for layer in range(mc.num_layers)]
+  flags = _alternating_flags(model.config)
   common = dict(num_pages=pages, max_seq_len=max_seq, max_num_batched_tokens=512, prefill_chunk=256)
   return {
       "one slot": lambda: ServingEngine(model, ServingConfig(lserve=dense, max_batch=1, **common), tokenizer=tok),
@@ -71,6 +70,11 @@ def _engines(model, tok, page: int, max_seq: int):
       "continuous (LServe)": lambda: ServingEngine(model, ServingConfig(lserve=ls, max_batch=8, **common),
                                                   streaming=flags, tokenizer=tok),
   }
+
+
+def _alternating_flags(mc):
+  """Every other kv head streaming (a speed test: which heads stream does not change the cost)."""
+  return [[(h + layer) % 2 == 0 for h in range(mc.num_kv_heads)] for layer in range(mc.num_layers)]
 
 
 async def _one(client, model_name, prompt, max_tokens, t_send):
@@ -165,17 +169,18 @@ def _serve_load(servers: dict, model_name: str, load: list, rate: float, max_tok
     print(f"  {name} @ {key}: {results[(name, key)]}", flush=True)
 
 
-def _peer_load(model, tok, loads: list, rates: list, max_tokens: int, results: dict, key_of) -> str:
-  """The llama.cpp server under the same loads; returns what the config records about it."""
+def _peer_load(model, tok, loads: list, rates: list, keys: list, max_tokens: int, results: dict) -> str:
+  """The llama.cpp server under the same loads (summaries into ``results[("llama.cpp", key)]``);
+  returns what the config records about it."""
   with tempfile.TemporaryDirectory() as tmp:
     proc = _llama_cpp_server(model, tok, Path(tmp), 8791)
     if proc is not None:
       try:
         _wait_http("http://127.0.0.1:8791/v1/models", proc)
-        for i, (load, rate) in enumerate(zip(loads, rates)):
+        for i, (load, rate, key) in enumerate(zip(loads, rates, keys)):
           res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, i))
-          results[("llama.cpp", key_of(rate))] = _summary(res)
-          print(f"  llama.cpp @ {key_of(rate)}: {results[('llama.cpp', key_of(rate))]}", flush=True)
+          results[("llama.cpp", key)] = _summary(res)
+          print(f"  llama.cpp @ {key}: {results[('llama.cpp', key)]}", flush=True)
       finally:
         proc.terminate()
       return "measured"
@@ -227,8 +232,8 @@ def _rates(quick, model, tok, model_name, config, results, out) -> list[Row]:
   finally:
     for server in servers.values():
       server.stop()
-  config["llama_cpp"] = _peer_load(model, tok, [load[i] for i in range(3)], rates, max_tokens, results,
-                                   lambda r: r)
+  config["llama_cpp"] = _peer_load(model, tok, [load[i] for i in range(3)], rates, rates, max_tokens,
+                                   results)
   rows = []
   top = rates[-1]
   for rate in rates:
@@ -268,8 +273,7 @@ def _long(quick, model, tok, model_name, config, results) -> list[Row]:
   vocab = model.config.vocab_size
   load = _texts(tok, [rng.integers(3, vocab, n_ids).tolist() for _ in range(n_req)])
   warm = _texts(tok, [rng.integers(3, vocab, n_ids).tolist() for _ in range(n_req)])
-  mc = model.config
-  flags = [[(h + layer) % 2 == 0 for h in range(mc.num_kv_heads)] for layer in range(mc.num_layers)]
+  flags = _alternating_flags(model.config)
   common = dict(max_batch=4, num_pages=4 * (ctx // page) + 8, max_seq_len=ctx, prefill_chunk=ctx // 4,
                 max_num_batched_tokens=ctx // 4 + 4)
   base = dict(page_size=page, logical_page_size=page // 4, sink=page, window=4 * page)
@@ -293,7 +297,7 @@ def _long(quick, model, tok, model_name, config, results) -> list[Row]:
   finally:
     for server in servers.values():
       server.stop()
-  config["long"]["llama_cpp"] = _peer_load(model, tok, [load], [rate], max_tokens, results, lambda r: key)
+  config["long"]["llama_cpp"] = _peer_load(model, tok, [load], [rate], [key], max_tokens, results)
   ls, d = results[("long: continuous (LServe)", key)], results[("long: continuous (dense)", key)]
   rows = [Row(f"throughput, {key}: LServe vs dense", "tokens/s (ratio = ours/baseline)",
               ours=ls["throughput"], baseline=d["throughput"], baseline_name="continuous (dense)",

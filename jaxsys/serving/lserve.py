@@ -61,7 +61,7 @@ class LServeConfig:
 
   def __post_init__(self):
     # SelectionConfig validates page/budget divisibility with errors naming the fields.
-    self.selection_config()
+    self._selection()
     check_range("streaming_fraction", self.streaming_fraction, 0.0, 1.0)
     check_min(self, 1, "window")
     check_min(self, 0, "sink")
@@ -75,9 +75,9 @@ class LServeConfig:
     """The page selection these settings describe (None when ``dense``)."""
     if self.dense:
       return None
-    return self.selection_config()
+    return self._selection()
 
-  def selection_config(self) -> ps.SelectionConfig:
+  def _selection(self) -> ps.SelectionConfig:
     return ps.SelectionConfig(self.token_budget, self.page_size, self.logical_page_size,
                               self.reuse_steps, self.sink_pages)
 
