@@ -107,13 +107,22 @@ def accuracy_rows(curves: dict, finals: dict, n: int, tag: str = ""):
   fin = {v: mean(v, "o2o_AP") for v in VARIANTS}
   level = THRESHOLD_FRACTION * min(fin.values())
   stp = {v: [steps_to(c, level) for c in curves[v]] for v in VARIANTS}
-  ms = {v: float(np.mean(stp[v])) for v in VARIANTS}
-  ratio = ms["dual"] / ms["o2o"] if np.isfinite(ms["o2o"]) and ms["o2o"] > 0 else float("nan")
+  # A seed that never reaches the level within the run is censored: counted as the run's length,
+  # a lower bound on its steps (so a censored baseline makes the ratio an upper bound).
+  length = max(s for c in curves["o2o"] + curves["dual"] for s, _ in c)
+  ms = {v: float(np.mean([min(x, length) for x in stp[v]])) for v in VARIANTS}
+  ratio = ms["dual"] / ms["o2o"] if ms["o2o"] > 0 else float("nan")
+  censored = {v: sum(not np.isfinite(x) for x in stp[v]) for v in VARIANTS}
+  cens = ""
+  if censored["o2o"] or censored["dual"]:
+    cens = (f"; runs that never reach it count as {length} steps (o2o-only {censored['o2o']}, dual "
+            f"{censored['dual']}), so the ratio is an {'upper' if censored['o2o'] else 'lower'} bound")
   rows.append(Row(metric=f"steps to one-to-one AP {100 * level:.1f} (mean of {n} seeds){tag}",
                   unit="steps (ratio = dual/o2o-only)", baseline_name="one-to-one only",
                   baseline=ms["o2o"], ours=ms["dual"], ratio=ratio, goal="<= 0.7",
+                  met=False if censored["dual"] else None,  # None: evaluated from the goal
                   note=f"fixed AP = {THRESHOLD_FRACTION} x the lower mean final AP; per seed "
-                       f"o2o-only {_fmt(stp['o2o'])}, dual {_fmt(stp['dual'])}"))
+                       f"o2o-only {_fmt(stp['o2o'])}, dual {_fmt(stp['dual'])}{cens}"))
   extra_levels = {}
   for frac in (0.5, 0.7, 0.9):
     lv = frac * min(fin.values())

@@ -50,11 +50,14 @@ class DATEConfig:
   image_size: int = 64
   widths: tuple[int, ...] = (16, 32, 64, 96)  # stem (stride 2), then strides 4, 8, 16
   fpn_channels: int = 48
-  head_convs: int = 2  # convs per shared tower (the paper: 4)
+  head_convs: int = 4  # convs per shared tower, as in the paper
   gn_groups: int = 8
   dual: bool = True  # build and train the one-to-many (FCOS) branch
   alpha: float = 0.8  # POTO quality exponent
-  radius: float = 1.5  # centre prior / sampling radius in strides
+  radius: float = 1.5  # POTO's centre prior radius in strides
+  # One-to-many (FCOS) positives: every point inside the box (False, DATE's configs, mmdet's
+  # ``center_sampling=False``) or only its centre region of ``radius`` strides (True).
+  o2m_center_sampling: bool = False
   regress_ranges: tuple[tuple[float, float], ...] = ((-1.0, 8.0), (8.0, 16.0), (16.0, 1e8))
   prior_prob: float = 0.01
   score_threshold: float = 0.01
@@ -259,7 +262,8 @@ def date_loss(model: DATE, images, gt_boxes, gt_labels, gt_valid):
   if cfg.dual:
     ranges = A.regress_ranges_for(strides, STRIDES, cfg.regress_ranges)
     tm = A.fcos_targets(points, strides, ranges, gt_boxes, gt_labels, gt_valid,
-                        num_classes=cfg.num_classes, radius=cfg.radius)
+                        num_classes=cfg.num_classes,
+                        radius=cfg.radius if cfg.o2m_center_sampling else None)
     parts.update(one_to_many_loss(out["o2m_cls"], out["o2m_box"], out["o2m_ctr"], tm,
                                   num_classes=cfg.num_classes))
   loss = sum(parts.values())

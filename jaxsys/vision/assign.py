@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.core.errors import ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.vision.boxes import pairwise_iou
 
 __all__ = [
@@ -103,15 +103,22 @@ def _check_gt(gt_boxes, gt_labels, gt_valid):
 
 
 def fcos_targets(points, point_strides, regress_ranges, gt_boxes, gt_labels, gt_valid, *,
-                 num_classes: int, radius: float = 1.5) -> Targets:
-  """FCOS one-to-many targets with centre sampling; ``regress_ranges [N, 2]`` per point."""
+                 num_classes: int, radius: float | None = 1.5) -> Targets:
+  """FCOS one-to-many targets; ``regress_ranges [N, 2]`` per point.
+
+  ``radius``: centre sampling (a point is a candidate inside the box's centre region of
+  ``radius`` strides); ``None``: every point strictly inside the box is (FCOS's original rule,
+  mmdet's ``center_sampling=False``, which DATE's configs use for their one-to-many branch)."""
   _check_gt(gt_boxes, gt_labels, gt_valid)
+  if radius is not None and not radius > 0:
+    raise ConfigError(f"radius={radius} must be > 0, or None for every point inside the box")
 
   def one(boxes, labels, valid):
     d = ltrb(points, boxes)  # [N, G, 4]
     max_d = d.max(-1)
     in_range = (max_d >= regress_ranges[:, :1]) & (max_d <= regress_ranges[:, 1:])
-    cand = center_region_mask(points, point_strides, boxes, radius) & in_range & valid[None]
+    region = d.min(-1) > 0 if radius is None else center_region_mask(points, point_strides, boxes, radius)
+    cand = region & in_range & valid[None]
     area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])  # [G]
     # the smallest candidate box wins (FCOS's rule for ambiguous points)
     gi = jnp.argmin(jnp.where(cand, area[None], INF), -1)  # [N]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsys.core.errors import ShapeError
+from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.vision import assign as A
 
 C = 3
@@ -29,9 +29,9 @@ def _gt(boxes, labels):
   return b, lab, valid
 
 
-def _fcos(pts, st, ranges, b, lab, valid):
+def _fcos(pts, st, ranges, b, lab, valid, radius=1.5):
   # one compiled program per shape (eager vmap dispatches op by op)
-  return jax.jit(lambda *a: A.fcos_targets(pts, st, ranges, *a, num_classes=C, radius=1.5))(
+  return jax.jit(lambda *a: A.fcos_targets(pts, st, ranges, *a, num_classes=C, radius=radius))(
       b, lab, valid)
 
 
@@ -54,6 +54,22 @@ def test_fcos_targets_hand_made():
   k = 1 * 4 + 2  # (10, 6) in the big box: l=10 r=6 t=6 b=10
   assert float(t.centerness[0, k]) == pytest.approx(np.sqrt(6 / 10 * 6 / 10), rel=1e-5)
   assert not bool(t.pos[0, 0])
+
+
+def test_fcos_targets_inside_box_without_centre_sampling():
+  # radius=None (DATE's one-to-many branch): every point strictly inside a box is positive
+  pts, st = A.anchor_points(16, (4,))
+  ranges = A.regress_ranges_for(st, (4,), ((-1, 1e8),))
+  b, lab, valid = _gt([[0, 0, 16, 16], [4, 4, 8, 8]], [1, 2])
+  labels = np.asarray(_fcos(pts, st, ranges, b, lab, valid, radius=None).labels[0]).reshape(4, 4)
+  want = np.ones((4, 4), int)  # all 16 points lie inside the big box (centre sampling kept 4)
+  want[1, 1] = 2               # the smaller box still wins where both hold the point
+  np.testing.assert_array_equal(labels, want)
+  b, lab, valid = _gt([[3, 3, 10, 10]], [0])  # inside: points 6 (x and y); 2 < 3, 10 is on the edge
+  pos = np.asarray(_fcos(pts, st, ranges, b, lab, valid, radius=None).pos[0]).reshape(4, 4)
+  assert pos.sum() == 1 and pos[1, 1]
+  with pytest.raises(ConfigError, match="radius=0"):
+    _fcos(pts, st, ranges, b, lab, valid, radius=0)
 
 
 def test_fcos_regress_range_routes_by_level():
