@@ -8,6 +8,12 @@ attention) go to ``--out`` as our JSON (what ``jaxsys serve --lserve --gates`` r
   jaxsys gates --model smollm2-135m-instruct --out gates.json --length 1024 --steps 40
   jaxsys serve --model smollm2-135m-instruct --lserve --gates gates.json
 
+``--method attention`` ranks the heads instead by the attention mass they put outside the sink and
+window at the answer states (``streaming.rank_streaming_heads``: forward passes only, so documents
+as long as the contexts to serve are affordable)::
+
+  jaxsys gates --model smollm2-135m-instruct --out gates.json --method attention --length 8100 --examples 4
+
 Distillation data: with a tokenizer (a named model, a GGUF file, an HF checkpoint with one) the
 text passkey task of ``jaxsys.data.passkey_text`` ("... The pass key is K ..." in filler, then
 "What is the pass key? The pass key is K"), the answer being K's tokens; without one (``tiny``,
@@ -33,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="smollm2-135m-instruct | a .gguf file | tiny | random | HF checkpoint dir")
   p.add_argument("--out", required=True, help="gates JSON to write")
   p.add_argument("--tsv", help="also write DuoAttention's full_attention_heads.tsv here")
+  p.add_argument("--method", choices=("distill", "attention"), default="distill",
+                 help="distill: DuoAttention's gate distillation; attention: rank heads by their "
+                      "attention outside sink + window at the answer tokens (forward only)")
   p.add_argument("--steps", type=int, default=100, help="distillation steps")
   p.add_argument("--length", type=int, default=1024, help="tokens per distillation sequence")
   p.add_argument("--examples", type=int, default=32, help="distillation sequences")
@@ -82,18 +91,22 @@ def main(argv=None) -> int:
     check_min(args, 0, "sink")
     check_range("sparsity", args.sparsity, 0.0, 1.0)
     from jaxsys.serving.cli import load_model  # noqa: PLC0415
-    from jaxsys.serving.streaming import identify_streaming_heads  # noqa: PLC0415
+    from jaxsys.serving.streaming import identify_streaming_heads, rank_streaming_heads  # noqa: PLC0415
     model, tokenizer = load_model(args.model)
     _, data = distillation_data(args.examples, args.length, args.seed, tokenizer)
     mc = model.config
+    how = f"{args.steps} steps" if args.method == "distill" else "attention outside sink + window"
     print(f"learning gates for {args.model}: {mc.num_layers} layers x {mc.num_kv_heads} kv heads, "
-          f"{args.examples} sequences of {data[0].shape[1]} tokens, {args.steps} steps",
-          file=sys.stderr)
+          f"{args.examples} sequences of {data[0].shape[1]} tokens, {how}", file=sys.stderr)
     t0 = time.perf_counter()
-    gates = identify_streaming_heads(model, data, sink=args.sink, window=args.window,
-                                     sparsity=args.sparsity, steps=args.steps, lr=args.lr, l1=args.l1,
-                                     batch_size=args.batch_size, seed=args.seed,
-                                     progress=not args.no_progress)
+    if args.method == "attention":
+      gates = rank_streaming_heads(model, data, sink=args.sink, window=args.window,
+                                   sparsity=args.sparsity, progress=not args.no_progress)
+    else:
+      gates = identify_streaming_heads(model, data, sink=args.sink, window=args.window,
+                                       sparsity=args.sparsity, steps=args.steps, lr=args.lr,
+                                       l1=args.l1, batch_size=args.batch_size, seed=args.seed,
+                                       progress=not args.no_progress)
   except (ConfigError, InputError) as e:
     print(f"jaxsys gates: error: {e}", file=sys.stderr)
     return 2
@@ -102,9 +115,9 @@ def main(argv=None) -> int:
     gates.save_tsv(args.tsv)
   n_stream = int(np.sum(gates.streaming))
   print(f"wrote {args.out}{' and ' + args.tsv if args.tsv else ''}: {n_stream} of "
-        f"{np.size(gates.streaming)} kv heads streaming (sparsity {args.sparsity}), distillation loss "
-        f"{gates.history[0]:.4g} -> {gates.history[-1]:.4g}, {time.perf_counter() - t0:.0f} s",
-        file=sys.stderr)
+        f"{np.size(gates.streaming)} kv heads streaming (sparsity {args.sparsity}), "
+        + (f"distillation loss {gates.history[0]:.4g} -> {gates.history[-1]:.4g}, " if gates.history else "")
+        + f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0
 
 

@@ -77,6 +77,12 @@ def test_gates_command_writes_a_file_serve_loads(tmp_path, capsys):
   assert "kv heads streaming" in capsys.readouterr().err
   assert cli.main(args[:-1] + ["--sparsity", "1.5"]) == 2
   assert "sparsity=1.5" in capsys.readouterr().err
+  # --method attention: ranked by the far attention mass, no distillation history
+  assert cli.main(args + ["--method", "attention"]) == 0
+  ranked = StreamingGates.load(out)
+  assert np.asarray(ranked.streaming).sum() == flags.sum() and ranked.history == ()
+  assert max(max(a) for a in ranked.alpha) == 1.0
+  assert "attention outside sink + window" in capsys.readouterr().err
 
 
 class _WordTokenizer:
@@ -104,3 +110,46 @@ def test_text_passkey_distillation_data_marks_the_key():
     key = tok.decode(answer)
     assert key.isdigit() and f"The pass key is {key}." in tok.decode(prompt)
     assert tok.decode(prompt).endswith("What is the pass key? The pass key is")
+
+
+def test_far_attention_scores_match_a_naive_softmax():
+  """Layer 0's score equals the attention mass outside Sink | Local computed by hand from its q/k;
+  a window covering every key gives 0; the ranking makes the lowest-mass heads streaming."""
+  from jaxsys.models.decoder import default_positions
+  from jaxsys.serving.streaming import far_attention_scores, rank_streaming_heads
+  cfg = DecoderConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2)
+  model = random_model(cfg, seed=3)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 32, (2, 40))
+  answer = np.zeros_like(tokens, bool)
+  answer[0, [30, 35]] = True
+  answer[1, 39] = True
+  sink, window = 2, 8
+  got = far_attention_scores(model, (tokens, answer), sink=sink, window=window, progress=False)
+  assert got.shape == (2, 2) and (got > 0).all() and (got < 1).all()
+  layer = model.layers[0]
+  want = np.zeros(2)
+  for row in range(2):
+    x = model.embed(jnp.asarray(tokens[row:row + 1]))
+    q, k, _ = layer.attn.project_qkv(layer.attn_norm(x), default_positions(1, 40))
+    q, k = np.asarray(q[0], np.float64), np.asarray(k[0], np.float64)  # [T, heads, d], [T, kv, d]
+    per_query = []
+    for i in np.nonzero(answer[row])[0]:
+      far = np.zeros(2)
+      for h in range(4):
+        s = k[:i + 1, h // 2] @ q[i, h] / np.sqrt(cfg.head_dim)
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        t = np.arange(i + 1)
+        far[h // 2] += p[(t >= sink) & (t <= i - window)].sum() / 2
+      per_query.append(far)
+    want += np.mean(per_query, 0) / 2
+  np.testing.assert_allclose(got[0], want, rtol=1e-4)
+  assert not far_attention_scores(model, (tokens, answer), sink=0, window=64, progress=False).any()
+  gates = rank_streaming_heads(model, (tokens, answer), sink=sink, window=window, sparsity=0.5,
+                               progress=False)
+  flat = got.reshape(-1)
+  assert np.asarray(gates.streaming).reshape(-1).tolist() == (flat <= np.sort(flat)[1]).tolist()
+  with pytest.raises(ShapeError, match="every sequence"):
+    far_attention_scores(model, (tokens, answer & False), progress=False)
