@@ -135,7 +135,7 @@ def test_far_attention_scores_match_a_naive_softmax():
     q, k, _ = layer.attn.project_qkv(layer.attn_norm(x), default_positions(1, 40))
     q, k = np.asarray(q[0], np.float64), np.asarray(k[0], np.float64)  # [T, heads, d], [T, kv, d]
     per_query = []
-    for i in np.nonzero(answer[row])[0]:
+    for i in np.nonzero(answer[row])[0][:1]:  # the first answer state
       far = np.zeros(2)
       for h in range(4):
         s = k[:i + 1, h // 2] @ q[i, h] / np.sqrt(cfg.head_dim)
@@ -151,5 +151,8 @@ def test_far_attention_scores_match_a_naive_softmax():
                                progress=False)
   flat = got.reshape(-1)
   assert np.asarray(gates.streaming).reshape(-1).tolist() == (flat <= np.sort(flat)[1]).tolist()
+  two = rank_streaming_heads(model, [(tokens[:1], answer[:1]), (tokens[1:], answer[1:])], sink=sink,
+                             window=window, progress=False)  # equal weight per dataset
+  assert two.alpha == gates.alpha
   with pytest.raises(ShapeError, match="every sequence"):
     far_attention_scores(model, (tokens, answer & False), progress=False)
