@@ -150,10 +150,7 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
   stderr with the distillation loss.
   """
   from tqdm.auto import tqdm
-  tokens, answer = (np.asarray(x) for x in data)
-  if tokens.ndim != 2 or answer.shape != tokens.shape:
-    raise ShapeError(f"data must be (tokens int[n, T], answer_mask bool[n, T]), got "
-                     f"{tokens.shape} and {answer.shape}")
+  tokens, answer = _answer_data(data)
   if not answer.any():
     raise ShapeError("answer_mask selects no token to distill on")
   for name, val in (("steps", steps), ("batch_size", batch_size), ("window", window)):
@@ -176,6 +173,15 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
     bar.set_postfix(loss=f"{history[-1]:.4g}", refresh=False)
   return StreamingGates.from_alpha(np.asarray(alpha), sink=sink, window=window,
                                    sparsity=sparsity, history=history)
+
+
+def _answer_data(data):
+  """``data = (tokens int[n, T], answer_mask bool[n, T])`` as numpy arrays, shapes checked."""
+  tokens, answer = (np.asarray(x) for x in data)
+  if tokens.ndim != 2 or answer.shape != tokens.shape:
+    raise ShapeError(f"data must be (tokens int[n, T], answer_mask bool[n, T]), got "
+                     f"{tokens.shape} and {answer.shape}")
+  return tokens, answer
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10))
@@ -202,11 +208,10 @@ class FarAttentionProbe:
   the attention mass that the query states at ``idx`` put on keys outside ``Sink(sink) |
   Local(window)``: what a streaming head would lose there.
 
-  ``idx int[A]``: query positions of a one-row call without a cache (key ``t`` = position ``t``);
-  ``weight f32[A]``: their weights (0 for padding). ``stats``: one ``f32[kv_heads]`` per layer
-  already run (the weighted mean over ``idx`` and the kv head's query heads)."""
+  ``idx int[A]``: query positions of a call without a cache (key ``t`` = position ``t``).
+  ``stats``: one ``f32[kv_heads]`` per layer already run (the mean over the batch, ``idx`` and
+  the kv head's query heads)."""
   idx: Any
-  weight: Any
   stats: tuple = ()
   sink: int = dataclasses.field(default=64, metadata=dict(static=True))
   window: int = dataclasses.field(default=256, metadata=dict(static=True))
@@ -224,10 +229,8 @@ class FarAttentionProbe:
     if attn.sliding_window is not None:
       seen &= t > i - attn.sliding_window
     p = jax.nn.softmax(jnp.where(seen, s, -jnp.inf), -1)    # [b, kv_heads, group, A, T]
-    far = jnp.sum(jnp.where((t < self.sink) | (t > i - self.window), 0.0, p), -1)
-    w = self.weight / jnp.sum(self.weight)
-    score = jnp.einsum("bkga,a->k", far, w) / (b * far.shape[2])
-    return out, dataclasses.replace(self, stats=self.stats + (score,))
+    far = jnp.sum(jnp.where((t < self.sink) | (t > i - self.window), 0.0, p), -1)  # [b, kv, g, A]
+    return out, dataclasses.replace(self, stats=self.stats + (far.mean((0, 2, 3)),))
 
   def advance(self, seq: int) -> "FarAttentionProbe":
     return self
@@ -246,10 +249,7 @@ def far_attention_scores(model, data, *, sink: int = 64, window: int = 256,
   final hidden states, but needs a backward pass at that length (on SmolLM2 at 8K tokens,
   ~3 min per sequence on a 2-core CPU against ~35 s for this forward pass)."""
   from tqdm.auto import tqdm
-  tokens, answer = (np.asarray(x) for x in data)
-  if tokens.ndim != 2 or answer.shape != tokens.shape:
-    raise ShapeError(f"data must be (tokens int[n, T], answer_mask bool[n, T]), got "
-                     f"{tokens.shape} and {answer.shape}")
+  tokens, answer = _answer_data(data)
   if not answer.any(-1).all():
     raise ShapeError("answer_mask must select at least one token in every sequence")
   if window < 1 or sink < 0:
@@ -259,14 +259,14 @@ def far_attention_scores(model, data, *, sink: int = 64, window: int = 256,
   for row in tqdm(range(len(tokens)), desc="far attention", disable=not progress, leave=False):
     idx = np.nonzero(answer[row])[0][:1].astype(np.int32)
     total += np.asarray(_far_scores(graphdef, params, jnp.asarray(tokens[row:row + 1], jnp.int32),
-                                    jnp.asarray(idx), jnp.ones(1, jnp.float32), sink, window))
+                                    jnp.asarray(idx), sink, window))
   return (total / len(tokens)).astype(np.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _far_scores(graphdef, params, tokens, idx, weight, sink, window):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _far_scores(graphdef, params, tokens, idx, sink, window):
   model = nnx.merge(graphdef, params)
-  _, probe = model.forward_hidden(tokens, cache=FarAttentionProbe(idx, weight, sink=sink, window=window))
+  _, probe = model.forward_hidden(tokens, cache=FarAttentionProbe(idx, sink=sink, window=window))
   return jnp.stack(probe.stats)                              # [layers, kv_heads]
 
 
@@ -288,4 +288,3 @@ def rank_streaming_heads(model, data, *, sink: int = 64, window: int = 256, spar
                    for d in sets], 0)
   return StreamingGates.from_alpha(score / max(float(score.max()), 1e-12), sink=sink, window=window,
                                    sparsity=sparsity)
-
