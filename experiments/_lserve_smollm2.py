@@ -6,10 +6,10 @@ attention differs:
 
 * **Gates.** DuoAttention's distillation (``jaxsys.serving.streaming.identify_streaming_heads``,
   what ``jaxsys gates`` runs) on text passkey documents of 1024 tokens (seeds disjoint from the
-  evaluation's), 50 % of the kv heads streaming with sink 64 + window 256 (``FAR_ATTENTION_SETTINGS``
-  is the forward-only ranking of ``rank_streaming_heads``, better at 8K and worse at 2K). The gates
-  are kept in ``$JAXSYS_HOME/gates/`` under a name that encodes every setting, so a second run
-  reuses them (the result says which); they are also written beside the result, as our JSON and
+  evaluation's), 50 % of the kv heads streaming with sink 64 + window 256 (the forward-only ranking
+  of ``rank_streaming_heads``, ``jaxsys gates --method attention``, was better at 8K and worse at
+  2K; experiments/README). The gates are kept in ``$JAXSYS_HOME/gates/`` under a name that
+  encodes every setting, so a second run reuses them (the result says which); they are also written beside the result, as our JSON and
   as DuoAttention's ``full_attention_heads.tsv``.
 * **Passkey** (``jaxsys.data.passkey_prompts``, the plain-text prompt of ``real_lm``) at 2K / 4K /
   8K tokens, 16 seeds each, greedy, a hit when the key's digits appear in the 8-token reply:
@@ -39,42 +39,32 @@ SEEDS = 16
 SINK, WINDOW, SPARSITY = 64, 256, 0.5
 GATE_SETTINGS = {"length": 1024, "examples": 32, "steps": 28, "lr": 0.05, "l1": 0.05, "seed": 1000,
                  "sink": SINK, "window": WINDOW, "sparsity": SPARSITY}
-# The alternative ranking (``_gates(..., settings=FAR_ATTENTION_SETTINGS)``): heads ordered by their
-# attention outside sink + window on 8K-token documents (seeds 5000+). Streaming heads only, 8K:
-# 75.0 % (distilled gates 56.2, dense 81.2) but 2K: 81.2 % (distilled 93.8); see experiments/README.
-FAR_ATTENTION_SETTINGS = {"method": "attention", "length": 8100, "examples": 4, "seed": 5000,
-                          "sink": SINK, "window": WINDOW, "sparsity": SPARSITY}
 PAGE = 64
 NEW = 8          # reply tokens for passkey
 MAX_BATCH = 4    # an 8K batch of 4 holds a 1.5 GB cache
 
 
-def _gates(model, tok, out, progress=True, settings=None):
-  """``(StreamingGates, note)``: found now, or read back from the settings-keyed cache."""
+def _gates(model, tok, out, progress=True):
+  """``(StreamingGates, note)``: learned now, or read back from the settings-keyed cache."""
   from jaxsys.models.pretrained import cache_dir
   from jaxsys.serving.gates_cli import distillation_data
-  from jaxsys.serving.streaming import StreamingGates, identify_streaming_heads, rank_streaming_heads
-  s = GATE_SETTINGS if settings is None else settings
-  key = hashlib.sha256(json.dumps({"model": MODEL, **s}, sort_keys=True).encode()).hexdigest()[:12]
+  from jaxsys.serving.streaming import StreamingGates, identify_streaming_heads
+  key = hashlib.sha256(json.dumps({"model": MODEL, **GATE_SETTINGS}, sort_keys=True).encode()).hexdigest()[:12]
   path = cache_dir() / "gates" / f"{MODEL}-{key}.json"
   if path.is_file():
     gates = StreamingGates.load(path, sparsity=SPARSITY, sink=SINK, window=WINDOW)
-    note = f"gates read from {path} (found by an earlier run with the same settings)"
+    note = f"gates read from {path} (learned by an earlier run with the same settings)"
   else:
+    s = GATE_SETTINGS
     _, data = distillation_data(s["examples"], s["length"], s["seed"], tok)
     t0 = time.perf_counter()
-    if s.get("method") == "attention":
-      gates = rank_streaming_heads(model, data, sink=SINK, window=WINDOW, sparsity=SPARSITY,
-                                   progress=progress)
-      how = f"ranked by far attention on {len(data[0])} documents of {data[0].shape[1]} tokens"
-    else:
-      gates = identify_streaming_heads(model, data, sink=SINK, window=WINDOW, sparsity=SPARSITY,
-                                       steps=s["steps"], lr=s["lr"], l1=s["l1"], batch_size=1,
-                                       seed=0, progress=progress)
-      how = f"learned: distillation loss {gates.history[0]:.3g} -> {gates.history[-1]:.3g}"
+    gates = identify_streaming_heads(model, data, sink=SINK, window=WINDOW, sparsity=SPARSITY,
+                                     steps=s["steps"], lr=s["lr"], l1=s["l1"], batch_size=1,
+                                     seed=0, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     gates.save(path)
-    note = f"gates {how} in {time.perf_counter() - t0:.0f} s"
+    note = (f"gates learned in {time.perf_counter() - t0:.0f} s: distillation loss "
+            f"{gates.history[0]:.3g} -> {gates.history[-1]:.3g}")
   gates.save(out / "gates.json")
   gates.save_tsv(out / "full_attention_heads.tsv")
   n = int(np.sum(gates.streaming))
