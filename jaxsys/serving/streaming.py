@@ -225,11 +225,10 @@ class FarAttentionProbe:
     qs = q[:, self.idx].reshape(b, -1, hk, h // hk, d)       # [b, A, kv_heads, group, d]
     s = jnp.einsum("bakgd,btkd->bkgat", qs, k, preferred_element_type=jnp.float32) / np.sqrt(d)
     t, i = jnp.arange(k.shape[1])[None], self.idx[:, None]   # [1, T], [A, 1]
-    seen = t <= i
-    if attn.sliding_window is not None:
-      seen &= t > i - attn.sliding_window
-    p = jax.nn.softmax(jnp.where(seen, s, -jnp.inf), -1)    # [b, kv_heads, group, A, T]
-    far = jnp.sum(jnp.where((t < self.sink) | (t > i - self.window), 0.0, p), -1)  # [b, kv, g, A]
+    # the layer's own mask and the streaming heads' (GateMix's), evaluated at the probed rows
+    p = jax.nn.softmax(jnp.where(attn.mask.visible(i, i, t), s, -jnp.inf), -1)  # [b, kv, g, A, T]
+    kept = (masks.Sink(self.sink) | masks.Local(self.window)).visible(i, i, t)  # [A, T]
+    far = jnp.sum(jnp.where(kept, 0.0, p), -1)              # [b, kv_heads, group, A]
     return out, dataclasses.replace(self, stats=self.stats + (far.mean((0, 2, 3)),))
 
   def advance(self, seq: int) -> "FarAttentionProbe":
