@@ -9,8 +9,8 @@ attention differs:
   evaluation's), 50 % of the kv heads streaming with sink 64 + window 256 (the forward-only ranking
   of ``rank_streaming_heads``, ``jaxsys gates --method attention``, was better at 8K and worse at
   2K; experiments/README). The gates are kept in ``$JAXSYS_HOME/gates/`` under a name that
-  encodes every setting, so a second run reuses them (the result says which); they are also written beside the result, as our JSON and
-  as DuoAttention's ``full_attention_heads.tsv``.
+  encodes every setting, so a second run reuses them (the result says which); they are also
+  written beside the result, as our JSON and as DuoAttention's ``full_attention_heads.tsv``.
 * **Passkey** (``jaxsys.data.passkey_prompts``, the plain-text prompt of ``real_lm``) at 2K / 4K /
   8K tokens, 16 seeds each, greedy, a hit when the key's digits appear in the 8-token reply:
   dense; streaming heads only (every page selected); page selection only at a 1024-token budget
