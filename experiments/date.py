@@ -200,22 +200,29 @@ def _train_all(st, opt: dict, cfgs, train, ev, gts, out, tag):
   return curves, finals, last, detect
 
 
+def setup(st: dict):
+  """The data and the two detector configs every run of this experiment uses:
+  ``(data_cfg, train, ev, gts, {"dual": cfg, "o2o": cfg})``."""
+  data_cfg = ShapesConfig()
+  train = make_shapes(data_cfg, seed=1000, count=st["train_images"])
+  ev = make_shapes(data_cfg, seed=2000, count=st["eval_images"])
+  gts = from_batch(ev.boxes, None, ev.labels, ev.valid)
+  cfgs = {"dual": DATEConfig(num_classes=data_cfg.num_classes, dual=True),
+          "o2o": DATEConfig(num_classes=data_cfg.num_classes, dual=False)}
+  return data_cfg, train, ev, gts, cfgs
+
+
 def run(quick: bool, out_dir: str) -> list[Row]:
   out = run_dir(NAME, out_dir)
   # identical programs recur across seeds: reuse their compilations
   jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   st = _settings(quick)
-  data_cfg = ShapesConfig()
   t0 = time.perf_counter()
-  train = make_shapes(data_cfg, seed=1000, count=st["train_images"])
-  ev = make_shapes(data_cfg, seed=2000, count=st["eval_images"])
-  gts = from_batch(ev.boxes, None, ev.labels, ev.valid)
+  data_cfg, train, ev, gts, cfgs = setup(st)
   config = {"settings": st, "data": data_cfg.__dict__, "nms_iou": NMS_IOU,
             "data_s": round(time.perf_counter() - t0, 1),
             "machine": f"{os.cpu_count()}-core CPU; times are interleaved A/B in one process"}
-  cfgs = {"dual": DATEConfig(num_classes=data_cfg.num_classes, dual=True),
-          "o2o": DATEConfig(num_classes=data_cfg.num_classes, dual=False)}
   config["model"] = {k: v.__dict__ for k, v in cfgs.items()}
   k = data_cfg.num_classes
   rows: list[Row] = []
