@@ -16,8 +16,9 @@ instructions). Measures:
    saved under the run dir;
 3. speculative decode speedup vs the best vanilla decode at batch 1, 2, 4, 8 (the engine's
    vanilla mode or the decoding core's ``generate``, whichever is faster, timed in the same rounds;
-   fused engine, sampled at the rollout temperature, interleaved best-of-N), chain and tree, reduced vs full draft vocabulary (the
-   same trained block, drafting through all 49152 head rows), with the mean accepted length;
+   fused engine, sampled at the rollout temperature, interleaved best-of-N), chain and tree,
+   reduced vs full draft vocabulary (the same trained block, drafting through all 49152 head
+   rows), with the mean accepted length;
 4. greedy losslessness: speculative == vanilla token for token on 8 prompts.
 
 GRPO step time and online-vs-frozen drafter on SmolLM2 are not measured here (rows say so).
