@@ -9,6 +9,7 @@ Command: ``python -m experiments._date_seed SEED STEPS OUT_DIR``; writes
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -18,12 +19,22 @@ import jax
 from experiments import date
 
 
+def _count(minimum: int):
+  def parse(text: str) -> int:
+    if not text.isdigit() or int(text) < minimum:
+      raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= {minimum}")
+    return int(text)
+  return parse
+
+
 def main(argv: list[str]) -> None:
-  if len(argv) != 3:
-    raise SystemExit("usage: python -m experiments._date_seed SEED STEPS OUT_DIR")
-  seed, steps, out = int(argv[0]), int(argv[1]), Path(argv[2])
-  if steps < 1:
-    raise SystemExit(f"{steps=} must be >= 1")
+  parser = argparse.ArgumentParser(prog="python -m experiments._date_seed",
+                                   description=(__doc__ or "").strip().splitlines()[0])
+  parser.add_argument("seed", type=_count(0), help="model / data-order seed (integer >= 0)")
+  parser.add_argument("steps", type=_count(1), help="training steps (integer >= 1)")
+  parser.add_argument("out", type=Path, help="output folder")
+  args = parser.parse_args(argv)
+  seed, steps, out = args.seed, args.steps, args.out
   out.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(out / ".jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
