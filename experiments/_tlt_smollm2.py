@@ -40,7 +40,13 @@ MODEL = "smollm2-135m-instruct"
 def _config() -> dict:
   return dict(temperature=0.7, max_new=160, warm_rollouts=16, warm_batch=8, warm_steps=400,
               draft_vocab=4096, batches=(1, 2, 4, 8), repeats=2, chain=(4, 1, 5), tree=(4, 2, 5),
-              items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0)
+              items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0,
+              # GRPO (part "grpo"): 4 prompts x G=4 per step, 10 steps of each run
+              grpo_steps=10, prompts_per_step=4, group_size=4, grpo_lr=1e-6, length_bucket=128,
+              spot_steps=16, online_buffer=6, online_lr=5e-4, n_eval=4)
+
+
+PARTS = ("regime", "speedup", "lossless", "grpo")
 
 
 def _prompts(sampler, n: int, rng, *, long_only: bool = False) -> list[list[int]]:
@@ -79,7 +85,9 @@ def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
   return times[1].min, times[5].min
 
 
-def run(out_dir: str) -> list[Row]:
+def run(out_dir: str, parts=None) -> list[Row]:
+  """``parts``: names from ``PARTS`` (default all; the drafter warm-up runs for every part but
+  ``regime`` alone); results go to ``tlt`` or ``tlt_<parts>``."""
   import jax
   from flax import nnx
 
@@ -95,6 +103,9 @@ def run(out_dir: str) -> list[Row]:
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
   from jaxsys.speculative.pool import ExecutablePool
 
+  parts = tuple(parts or PARTS)
+  if set(parts) - set(PARTS):
+    raise ValueError(f"parts={list(parts)} must be names among {PARTS}")
   cfg = _config()
   out = run_dir(NAME, out_dir)
   t_start = time.perf_counter()
@@ -107,36 +118,38 @@ def run(out_dir: str) -> list[Row]:
   sampler = ChatTaskSampler(tok, items=cfg["items"])
 
   # ---- 1) regime --------------------------------------------------------------------------
-  probe = _prompts(sampler, 1, np.random.default_rng(1), long_only=True)
-  n_short, n_long = 32, 128
-  for n in (n_short, n_long):  # compile both lengths' loops
-    generate(model, probe, max_new_tokens=n, stop_tokens=())
-  t_short, t_long = (time_fn(generate, model, probe, max_new_tokens=n, stop_tokens=(), warmup=0,
-                             iters=3).min for n in (n_short, n_long))
-  step_s = (t_long - t_short) / (n_long - n_short)
-  bw = read_bandwidth(1.0, 3)["xla"]
-  wbytes = real_lm._param_bytes(model)
-  bound_s = wbytes / bw
-  llama_note = "llama.cpp: llama_cpp does not import here (not installed), not measured"
-  llama_ms = None
-  if real_lm._have_llama():
-    from jaxsys.models import pretrained as P
-    llm = real_lm._Llama(real_lm._llama_files(P.find(MODEL))["F32"], n_ctx=512)
-    llm.generate(probe[0], 8)
-    pre, dec_s, _ = llm.generate(probe[0], n_long)
-    llama_ms = 1e3 * dec_s / (n_long - 1)
-    llama_note = f"llama.cpp F32 {llama_ms:.1f} ms/token"
-  rows.append(Row(metric="regime: batch-1 decode step (decoding core generate)", unit="ms",
-                  ours=1e3 * step_s, baseline=1e3 * bound_s, baseline_name="weight bytes / read bandwidth",
-                  ratio=bound_s / step_s,
-                  note=f"{wbytes / 1e6:.0f} MB f32 weights at {bw / 1e9:.1f} GB/s (XLA 1 GiB read); "
-                       f"ratio = share of the bandwidth bound reached; {llama_note}"))
-  t1, t5 = _verify_ratio(model, cfg["verify_cache"], cfg["verify_reps"])
-  rows.append(Row(metric="regime: 5-token verify / 1-token forward, batch 1", unit="x",
-                  ours=t5 / t1, goal="<= 1.3",
-                  note=f"{1e3 * t1:.1f} ms vs {1e3 * t5:.1f} ms after {cfg['verify_cache']} cached tokens"))
-  print(f"[tlt/smollm2] regime: step {1e3 * step_s:.1f} ms, bound {1e3 * bound_s:.1f} ms, "
-        f"verify 5/1 {t5 / t1:.2f}", flush=True)
+  step_s = None
+  if "regime" in parts:
+    probe = _prompts(sampler, 1, np.random.default_rng(1), long_only=True)
+    n_short, n_long = 32, 128
+    for n in (n_short, n_long):  # compile both lengths' loops
+      generate(model, probe, max_new_tokens=n, stop_tokens=())
+    t_short, t_long = (time_fn(generate, model, probe, max_new_tokens=n, stop_tokens=(), warmup=0,
+                               iters=3).min for n in (n_short, n_long))
+    step_s = (t_long - t_short) / (n_long - n_short)
+    bw = read_bandwidth(1.0, 3)["xla"]
+    wbytes = real_lm._param_bytes(model)
+    bound_s = wbytes / bw
+    llama_note = "llama.cpp: llama_cpp does not import here (not installed), not measured"
+    llama_ms = None
+    if real_lm._have_llama():
+      from jaxsys.models import pretrained as P
+      llm = real_lm._Llama(real_lm._llama_files(P.find(MODEL))["F32"], n_ctx=512)
+      llm.generate(probe[0], 8)
+      pre, dec_s, _ = llm.generate(probe[0], n_long)
+      llama_ms = 1e3 * dec_s / (n_long - 1)
+      llama_note = f"llama.cpp F32 {llama_ms:.1f} ms/token"
+    rows.append(Row(metric="regime: batch-1 decode step (decoding core generate)", unit="ms",
+                    ours=1e3 * step_s, baseline=1e3 * bound_s, baseline_name="weight bytes / read bandwidth",
+                    ratio=bound_s / step_s,
+                    note=f"{wbytes / 1e6:.0f} MB f32 weights at {bw / 1e9:.1f} GB/s (XLA 1 GiB read); "
+                         f"ratio = share of the bandwidth bound reached; {llama_note}"))
+    t1, t5 = _verify_ratio(model, cfg["verify_cache"], cfg["verify_reps"])
+    rows.append(Row(metric="regime: 5-token verify / 1-token forward, batch 1", unit="x",
+                    ours=t5 / t1, goal="<= 1.3",
+                    note=f"{1e3 * t1:.1f} ms vs {1e3 * t5:.1f} ms after {cfg['verify_cache']} cached tokens"))
+    print(f"[tlt/smollm2] regime: step {1e3 * step_s:.1f} ms, bound {1e3 * bound_s:.1f} ms, "
+          f"verify 5/1 {t5 / t1:.2f}", flush=True)
 
   # ---- 2) rollouts and drafter warm-up ------------------------------------------------------
   sampling = SamplingParams(cfg["temperature"])
@@ -150,11 +163,12 @@ def run(out_dir: str) -> list[Row]:
   drafter = EagleDrafter(dcfg, rngs=nnx.Rngs(1))
   roll = RolloutEngine(model, drafter, RolloutConfig(**base, speculative=False), pool=pool)
   buffer = online.DrafterBuffer(max_steps=cfg["warm_rollouts"], seed=0)
-  lengths, seqs, plens = [], [], []
+  lengths, seqs, plens, warm_results = [], [], [], []
   t0 = time.perf_counter()
   for k in range(cfg["warm_rollouts"]):
     res = roll.generate(_prompts(sampler, cfg["warm_batch"], rng), seed=100 + k)
     buffer.add(k, res.sequences, res.features, res.prompt_lengths)
+    warm_results = (warm_results + [res])[-cfg["online_buffer"]:]  # GRPO's online buffer starts here
     lengths += [len(t) for t in res.tokens]
     seqs += res.sequences
     plens += res.prompt_lengths
@@ -192,78 +206,136 @@ def run(out_dir: str) -> list[Row]:
   print(f"[tlt/smollm2] warm-up: {log}", flush=True)
 
   # ---- 3) speedup vs batch ----------------------------------------------------------------
-  engines = {"reduced": RolloutEngine(model, drafter, RolloutConfig(**base), pool=pool),
-             "full": RolloutEngine(model, full, RolloutConfig(**base), pool=pool)}
   curve = {"batch": []}
-  for b in cfg["batches"]:
-    prompts = _prompts(sampler, b, np.random.default_rng(10 + b), long_only=True)
-    runs = [("vanilla", "reduced", None), ("chain", "reduced", chain), ("tree", "reduced", tree)]
-    if b == 1:
-      runs += [("chain", "full", chain), ("tree", "full", tree)]
-    tput, acc = {}, {}
+  if "speedup" in parts:
+    engines = {"reduced": RolloutEngine(model, drafter, RolloutConfig(**base), pool=pool),
+               "full": RolloutEngine(model, full, RolloutConfig(**base), pool=pool)}
+    curve = {"batch": []}
+    for b in cfg["batches"]:
+      prompts = _prompts(sampler, b, np.random.default_rng(10 + b), long_only=True)
+      runs = [("vanilla", "reduced", None), ("chain", "reduced", chain), ("tree", "reduced", tree)]
+      if b == 1:
+        runs += [("chain", "full", chain), ("tree", "full", tree)]
+      tput, acc = {}, {}
 
-    def core(seed):  # the decoding core's vanilla decode: a second baseline, same prompts
-      return generate(model, prompts, max_new_tokens=cfg["max_new"], stop_tokens=stops,
-                      sampling=SamplingParams(cfg["temperature"], seed=seed))
+      def core(seed):  # the decoding core's vanilla decode: a second baseline, same prompts
+        return generate(model, prompts, max_new_tokens=cfg["max_new"], stop_tokens=stops,
+                        sampling=SamplingParams(cfg["temperature"], seed=seed))
 
-    for name, vocab, strat in runs:  # compile / warm-up each
-      engines[vocab].generate(prompts, seed=0, force_strategy=strat, speculative=strat is not None)
-    core(0)
-    for rep in range(cfg["repeats"]):  # interleaved best-of-N
-      for name, vocab, strat in runs + [("generate", None, None)]:
-        t0 = time.perf_counter()
-        if vocab is None:
-          r = core(1 + rep)
-        else:
-          r = engines[vocab].generate(prompts, seed=1 + rep, force_strategy=strat,
-                                      speculative=strat is not None)
-        key = name if strat is None else f"{name}/{vocab}"
-        n_tok = sum(len(t) for t in r.tokens)
-        tput[key] = max(tput.get(key, 0.0), n_tok / (time.perf_counter() - t0))
-        if strat is not None:
-          acc[key] = r.stats["mean_accepted"] + 1
-    curve["batch"].append(b)
-    # The baseline is the best vanilla decode measured in these rounds: the engine's or the
-    # decoding core's `generate`, whichever is faster at this batch.
-    best = max(("vanilla", "generate"), key=lambda k: tput[k])
-    names = {"vanilla": "vanilla (same engine)", "generate": "vanilla (decoding core generate)"}
-    for key, v in tput.items():
-      curve.setdefault(key, []).append(v)
-      if key in names:
-        continue
-      rows.append(Row(metric=f"{key} vocab decode throughput @ batch {b}",
-                      unit="tokens/s (ratio = ours/baseline)", baseline=tput[best],
-                      baseline_name=names[best], ours=v, ratio=v / tput[best],
-                      goal=">= 2.2" if b == 1 else None,
-                      note=f"accepted length {acc[key]:.2f} tokens/round; engine vanilla "
-                           f"{tput['vanilla']:.1f}, generate {tput['generate']:.1f} tokens/s"))
-    print(f"[tlt/smollm2] batch {b}: tokens/s {tput} accepted {acc}", flush=True)
-  if curve["batch"][0] == 1:
-    rows.append(Row(metric="vanilla engine vs decoding core generate @ batch 1", unit="tokens/s",
-                    baseline=curve["generate"][0], baseline_name="generate (same prompts and rounds)",
-                    ours=curve["vanilla"][0], ratio=curve["vanilla"][0] / curve["generate"][0],
-                    note=f"both include their prefill; generate's per-step figure: {1.0 / step_s:.1f} "
-                         "tokens/s; speedup rows use the faster of the two"))
+      for name, vocab, strat in runs:  # compile / warm-up each
+        engines[vocab].generate(prompts, seed=0, force_strategy=strat, speculative=strat is not None)
+      core(0)
+      for rep in range(cfg["repeats"]):  # interleaved best-of-N
+        for name, vocab, strat in runs + [("generate", None, None)]:
+          t0 = time.perf_counter()
+          if vocab is None:
+            r = core(1 + rep)
+          else:
+            r = engines[vocab].generate(prompts, seed=1 + rep, force_strategy=strat,
+                                        speculative=strat is not None)
+          key = name if strat is None else f"{name}/{vocab}"
+          n_tok = sum(len(t) for t in r.tokens)
+          tput[key] = max(tput.get(key, 0.0), n_tok / (time.perf_counter() - t0))
+          if strat is not None:
+            acc[key] = r.stats["mean_accepted"] + 1
+      curve["batch"].append(b)
+      # The baseline is the best vanilla decode measured in these rounds: the engine's or the
+      # decoding core's `generate`, whichever is faster at this batch.
+      best = max(("vanilla", "generate"), key=lambda k: tput[k])
+      names = {"vanilla": "vanilla (same engine)", "generate": "vanilla (decoding core generate)"}
+      for key, v in tput.items():
+        curve.setdefault(key, []).append(v)
+        if key in names:
+          continue
+        rows.append(Row(metric=f"{key} vocab decode throughput @ batch {b}",
+                        unit="tokens/s (ratio = ours/baseline)", baseline=tput[best],
+                        baseline_name=names[best], ours=v, ratio=v / tput[best],
+                        goal=">= 2.2" if b == 1 else None,
+                        note=f"accepted length {acc[key]:.2f} tokens/round; engine vanilla "
+                             f"{tput['vanilla']:.1f}, generate {tput['generate']:.1f} tokens/s"))
+      print(f"[tlt/smollm2] batch {b}: tokens/s {tput} accepted {acc}", flush=True)
+    if curve["batch"][0] == 1:
+      rows.append(Row(metric="vanilla engine vs decoding core generate @ batch 1", unit="tokens/s",
+                      baseline=curve["generate"][0], baseline_name="generate (same prompts and rounds)",
+                      ours=curve["vanilla"][0], ratio=curve["vanilla"][0] / curve["generate"][0],
+                      note=f"both include their prefill; generate's per-step figure: {1.0 / step_s:.1f} "
+                           "tokens/s; speedup rows use the faster of the two"))
 
   # ---- 4) greedy losslessness -------------------------------------------------------------
-  lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(5))
-  ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
-  gbase = dict(base, sampling=GREEDY, max_new=cfg["lossless_new"], batch_buckets=(cfg["n_lossless"],))
-  same = 0
-  eng = RolloutEngine(model, drafter, RolloutConfig(**gbase), pool=pool)
-  for s in (chain, tree):
-    got = eng.generate(lp, force_strategy=s).tokens
-    same += sum(g == r for g, r in zip(got, ref))
-  rows.append(Row(metric="greedy speculative == vanilla (SmolLM2, token for token)", unit="prompts",
-                  ours=float(same), baseline=float(2 * len(lp)), baseline_name="prompts x 2 runs",
-                  ratio=same / (2 * len(lp)), goal=">= 1.0",
-                  note=f"chain and tree, reduced draft vocabulary, {cfg['lossless_new']} new tokens"))
-  for metric in ("GRPO step time TLT vs vanilla (SmolLM2)", "online vs frozen drafter (SmolLM2)"):
-    rows.append(Row(metric=metric, unit="-", ours=None,
-                    note="not measured on SmolLM2 in this version (tiny-LM figures: --quick)"))
-  config = dict(cfg, model=MODEL, chain=chain.name, tree=tree.name, draft_coverage=coverage,
-                lengths=lengths.tolist(), compilations=pool.compilations,
-                seconds=time.perf_counter() - t_start, machine_note="2-core CPU host")
-  write_result(NAME, rows, config=config, quick=False, out_dir=out_dir,
-               extra={"curves": curve, "warm": log})
+  if "lossless" in parts:
+    lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(5))
+    ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
+    gbase = dict(base, sampling=GREEDY, max_new=cfg["lossless_new"], batch_buckets=(cfg["n_lossless"],))
+    same = 0
+    eng = RolloutEngine(model, drafter, RolloutConfig(**gbase), pool=pool)
+    for s in (chain, tree):
+      got = eng.generate(lp, force_strategy=s).tokens
+      same += sum(g == r for g, r in zip(got, ref))
+    rows.append(Row(metric="greedy speculative == vanilla (SmolLM2, token for token)", unit="prompts",
+                    ours=float(same), baseline=float(2 * len(lp)), baseline_name="prompts x 2 runs",
+                    ratio=same / (2 * len(lp)), goal=">= 1.0",
+                    note=f"chain and tree, reduced draft vocabulary, {cfg['lossless_new']} new tokens"))
+
+  # ---- 5) GRPO: TLT (online drafter) vs vanilla rollout, same seeds, interleaved ----------
+  hist, summary = None, {}
+  if "grpo" in parts:
+    grpo_rows, hist, summary = _grpo(model, sampler, drafter, warm_results, base, pool, cfg,
+                                     step_s, out)
+    rows += grpo_rows
+  config = dict(cfg, model=MODEL, parts=list(parts), chain=chain.name, tree=tree.name,
+                draft_coverage=coverage, lengths=lengths.tolist(), compilations=pool.compilations,
+                seconds=time.perf_counter() - t_start, machine_note="2-core CPU host", **summary)
+  name = NAME if tuple(parts) == PARTS else NAME + "_" + "_".join(parts)
+  write_result(name, rows, config=config, quick=False, out_dir=out_dir,
+               extra={"curves": curve, "warm": log, "grpo": hist})
   return rows
+
+
+def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out):
+  """GRPO on the chat tasks, TLT vs the vanilla rollout (``experiments._tlt_grpo``), with the
+  warmed-up drafter; the online buffer starts from the last warm-up rollouts."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from experiments import _tlt_grpo
+  from jaxsys.rl import grpo
+  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
+  from jaxsys.speculative.bandit import Strategy
+  from jaxsys.speculative.engine import RolloutConfig
+
+  n = cfg["prompts_per_step"] * cfg["group_size"]
+  buckets = tuple(sorted(set(cfg["batches"]) | {n}))
+  rollout = RolloutConfig(**dict(base, batch_buckets=buckets))
+  # lr 1e-6 and no KL term (no reference forward): a pretrained chat model fine-tuned with
+  # GRPO moves in small steps; the comparison is of time per step at equal learning.
+  tlt_cfg = TLTConfig(grpo=grpo.GRPOConfig(group_size=cfg["group_size"],
+                                           prompts_per_step=cfg["prompts_per_step"],
+                                           lr=cfg["grpo_lr"], kl_coef=0.0,
+                                           length_bucket=cfg["length_bucket"], seed=0),
+                      online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
+                      drafter_batch=8, spot_steps=cfg["spot_steps"], synchronous=True)
+
+  def make_trainer(speculative: bool):
+    built = make_tlt_trainer(model, drafter0, sampler, rollout, tlt_cfg, speculative=speculative,
+                             warm_rollouts=warm_results, pool=pool, reward_fn=sampler.reward_fn,
+                             pad_id=sampler.pad_id)
+    return built.trainer, built.engine, built.spot
+
+  eval_prompts = _prompts(sampler, cfg["n_eval"], np.random.default_rng(9), long_only=True)
+  hist = _tlt_grpo.compare(make_trainer, model, drafter0, RolloutConfig(**base), eval_prompts,
+                           Strategy(*cfg["chain"]), pool, cfg["grpo_steps"], tag="tlt/smollm2")
+  rows, summary = _tlt_grpo.rows(hist, cfg["spot_steps"], None if step_s is None else 1e3 * step_s,
+                                 label=" (SmolLM2)")
+  fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  _tlt_grpo.plot_rewards(ax[0], hist)
+  steps = np.arange(1, len(hist["tlt"]) + 1)
+  ax[1].plot(steps, hist["acc_frozen"], "o-", label="drafter trained once")
+  ax[1].plot(steps, hist["acc_online"], "s--", label="online drafter")
+  ax[1].set(xlabel="GRPO step", ylabel="tokens per round (chain)", title="acceptance on the drifting policy")
+  for a in ax:
+    a.legend()
+  fig.tight_layout()
+  fig.savefig(out / "tlt_smollm2_grpo.png", dpi=100)
+  plt.close(fig)
+  return rows, hist, summary

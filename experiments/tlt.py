@@ -34,14 +34,15 @@ import time
 
 import numpy as np
 
+from experiments import _tlt_grpo, _tlt_smollm2
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "tlt"
+PARTS = _tlt_smollm2.PARTS  # --parts: the full (SmolLM2) mode's parts
 
 
-def run_smollm2(out_dir: str) -> list[Row]:
-  from experiments import _tlt_smollm2
-  return _tlt_smollm2.run(out_dir)
+def run_smollm2(out_dir: str, parts=None) -> list[Row]:
+  return _tlt_smollm2.run(out_dir, parts)
 
 
 def _config(quick: bool) -> dict:
@@ -66,9 +67,13 @@ def _config(quick: bool) -> dict:
   )
 
 
-def run(quick: bool, out_dir: str) -> list[Row]:
+def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
+  """``parts`` (full mode only): names from ``_tlt_smollm2.PARTS`` to run alone."""
   if not quick:
-    return run_smollm2(out_dir)
+    return run_smollm2(out_dir, parts)
+  if parts:
+    raise ValueError(f"parts={list(parts)}: --parts selects parts of the full (SmolLM2) mode; "
+                     "--quick runs the whole tiny-LM pipeline")
   return run_tiny(quick, out_dir)
 
 
@@ -77,7 +82,6 @@ def run_tiny(quick: bool, out_dir: str) -> list[Row]:
   import jax
   from flax import nnx
 
-  from jaxsys.core.bench import compile_count, watch_compiles
   from jaxsys.data import synthetic
   from jaxsys.models import load_tiny_lm
   from jaxsys.models.drafter import DrafterConfig, EagleDrafter
@@ -181,82 +185,15 @@ def run_tiny(quick: bool, out_dir: str) -> list[Row]:
                              pad_id=synthetic.VOCAB.pad)
     return built.trainer, built.engine, built.spot
 
-  tlt, tlt_engine, spot = make_trainer(True)
-  van, van_engine, _ = make_trainer(False)
-  # Every executable either rollout can need (all buckets, every shrink, both long-tail loops)
-  # before step 1: no timed step may compile. Checked below (core.bench.compile_count).
-  tlt_engine.precompile()
-  van_engine.precompile()
-  tlt.precompile()  # the policy update at every minibatch width (length-grouped minibatches)
-  van.precompile()
-  watch_compiles()  # backend compilations during each GRPO step (bench.compile_count)
   eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(9))]
-  frozen_eval = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
-  online_eval = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
-  hist = {"tlt": [], "vanilla": [], "acc_frozen": [], "acc_online": []}
-  for step in range(cfg["grpo_steps"]):
-    for name, tr in (("vanilla", van), ("tlt", tlt)):  # interleaved: same machine load
-      n0 = compile_count()
-      m = tr.step()
-      m.pop("responses")
-      m["compilations"] = compile_count() - n0
-      hist[name].append(m)
-    frozen_eval.set_weights(tlt.policy)
-    online_eval.set_weights(tlt.policy)
-    online_eval.set_drafter(tlt_engine.dstate)
-    hist["acc_frozen"].append(frozen_eval.generate(eval_prompts, seed=step, force_strategy=chain).stats["mean_accepted"] + 1)
-    hist["acc_online"].append(online_eval.generate(eval_prompts, seed=step, force_strategy=chain).stats["mean_accepted"] + 1)
-    v, t = hist["vanilla"][-1], hist["tlt"][-1]
-    print(f"[tlt] grpo step {step}: vanilla {v['step_seconds']:.2f}s (cpu {v['step_cpu_seconds']:.2f}, "
-          f"rollout {v['rollout_seconds']:.2f}) reward {v['reward_mean']:.3f} len {v['len_mean']:.1f}/"
-          f"{v['len_max']} | tlt {t['step_seconds']:.2f}s (cpu {t['step_cpu_seconds']:.2f}, rollout "
-          f"{t['rollout_seconds']:.2f}) reward {t['reward_mean']:.3f} acc {t['mean_accepted']:.2f} "
-          f"spec rounds {t['spec_steps']} drafter {t['drafter_seconds']:.2f}s | compiles "
-          f"{v['compilations']}/{t['compilations']} | eval acc frozen {hist['acc_frozen'][-1]:.2f} "
-          f"online {hist['acc_online'][-1]:.2f}", flush=True)
-  skip = 1 if len(hist["tlt"]) > 1 else 0  # step 1 compiles the policy update and log-prob jits
-  v_step = float(np.mean([m["step_seconds"] for m in hist["vanilla"][skip:]]))
-  t_step = float(np.mean([m["step_seconds"] for m in hist["tlt"][skip:]]))
-  v_roll = float(np.mean([m["rollout_seconds"] for m in hist["vanilla"][skip:]]))
-  t_roll = float(np.mean([m["rollout_seconds"] for m in hist["tlt"][skip:]]))
-  v_cpu = float(np.mean([m["step_cpu_seconds"] for m in hist["vanilla"][skip:]]))
-  t_cpu = float(np.mean([m["step_cpu_seconds"] for m in hist["tlt"][skip:]]))
-  t_dr = float(np.mean([m["drafter_seconds"] for m in hist["tlt"][skip:]]))
-  late_compiles = sum(m["compilations"] for k in ("tlt", "vanilla") for m in hist[k][skip:])
-  # Amdahl: speculation only shortens the rollout. With the vanilla rollout a fraction f of the
-  # step, no rollout speedup can make the step more than 1/(1-f) faster ("ideal" below).
-  v_train = float(np.mean([m["train_seconds"] for m in hist["vanilla"][skip:]]))
-  frac = v_roll / v_step
-  train_tokens = float(np.mean([m["train_tokens"] for m in hist["vanilla"][skip:]]))
-  step_ms_b1 = 1e3 / curve["vanilla_tput"][0] if curve["batch"][0] == 1 else float("nan")
-  train_us = 1e6 * v_train / train_tokens
-  rows += [
-      Row(metric="GRPO step time (long-tail lengths)", unit="s", baseline=v_step, baseline_name="vanilla rollout",
-          ours=t_step, goal=">= 1.5", ideal=1.0 / max(1.0 - frac, 1e-9),
-          note=f"ideal = Amdahl bound 1/(1-f), vanilla rollout fraction f = {frac:.2f}"),
-      Row(metric="GRPO rollout time", unit="s", baseline=v_roll, baseline_name="vanilla rollout", ours=t_roll),
-      Row(metric="GRPO policy update time (length-grouped minibatches)", unit="s", baseline=v_train,
-          baseline_name="vanilla-run update",
-          ours=float(np.mean([m["train_seconds"] for m in hist["tlt"][skip:]])),
-          note=f"{train_tokens:.0f} tokens/step; decode step @ batch 1 {step_ms_b1:.2f} ms = "
-               f"{1e3 * step_ms_b1 / train_us:.1f} update tokens ({train_us:.0f} us/token)"),
-      Row(metric="GRPO step CPU time (excl. drafter training)", unit="s",
-          baseline=v_cpu, baseline_name="vanilla rollout", ours=t_cpu),
-      Row(metric="GRPO step time incl. drafter training (no spare resources)", unit="s",
-          baseline=v_step, baseline_name="vanilla rollout", ours=t_step + t_dr,
-          note=f"drafter training {t_dr:.2f}s/step ({cfg['spot_steps']} updates between rollouts)"),
-      Row(metric="final reward (mean of last 2 steps)", unit="reward (ratio = ours/baseline)",
-          baseline=float(np.mean([m["reward_mean"] for m in hist["vanilla"][-2:]])), baseline_name="vanilla",
-          ours=float(np.mean([m["reward_mean"] for m in hist["tlt"][-2:]]))),
-      Row(metric="accepted length on the drifted policy (last step)", unit="tokens/step",
-          baseline=hist["acc_frozen"][-1], baseline_name="drafter trained once", ours=hist["acc_online"][-1],
-          ratio=hist["acc_online"][-1] / hist["acc_frozen"][-1]),
-  ]
-  rows[-2].ratio = rows[-2].ours / rows[-2].baseline if rows[-2].baseline else None
+  hist = _tlt_grpo.compare(make_trainer, policy, drafter0, RolloutConfig(**base), eval_prompts,
+                           chain, pool, cfg["grpo_steps"])
+  step_ms_b1 = 1e3 / curve["vanilla_tput"][0] if curve["batch"][0] == 1 else None
+  grpo_rows, summary = _tlt_grpo.rows(hist, cfg["spot_steps"], step_ms_b1)
+  rows += grpo_rows
   _plots(out, curve, hist)
   config = dict(cfg, policy={k: str(v) for k, v in policy.config.__dict__.items()},
-                chain=chain.name, tree=tree.name, spot_steps_per_rollout=spot.steps_per_rollout,
-                compilations=pool.compilations, compilations_in_steps_2plus=late_compiles,
+                chain=chain.name, tree=tree.name, compilations=pool.compilations, **summary,
                 seconds=time.perf_counter() - t_start)
   write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir,
                extra={"curves": curve, "grpo": {k: v for k, v in hist.items()}, "warm": log})
@@ -274,10 +211,7 @@ def _plots(out, curve, hist):
   ax[0].set(xscale="log", xlabel="batch", ylabel="tokens per verify step", title="accepted length")
   ax[1].axhline(1.0, color="gray", lw=0.5)
   ax[1].set(xscale="log", xlabel="batch", ylabel="speedup vs vanilla", title="decode speedup")
-  steps = np.arange(1, len(hist["tlt"]) + 1)
-  ax[2].plot(steps, [m["reward_mean"] for m in hist["vanilla"]], "o-", label="vanilla rollout")
-  ax[2].plot(steps, [m["reward_mean"] for m in hist["tlt"]], "s--", label="TLT rollout")
-  ax[2].set(xlabel="GRPO step", ylabel="mean reward", title="learning is unchanged")
+  _tlt_grpo.plot_rewards(ax[2], hist)
   for a in ax:
     a.legend()
   fig.tight_layout()
