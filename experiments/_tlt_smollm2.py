@@ -19,9 +19,16 @@ instructions). Measures:
    fused engine, sampled at the rollout temperature, interleaved best-of-N), chain and tree,
    reduced vs full draft vocabulary (the same trained block, drafting through all 49152 head
    rows), with the mean accepted length;
-4. greedy losslessness: speculative == vanilla token for token on 8 prompts.
+4. greedy losslessness: speculative == vanilla token for token on 8 prompts;
+5. GRPO on the chat tasks (4 prompts x G = 4 per step, 10 steps, lr 1e-6, no KL term), TLT
+   (online drafter, bandit with a vanilla arm, speculative long tail) vs the vanilla rollout,
+   same seeds, interleaved in one process (``experiments._tlt_grpo``): step / rollout / update
+   time (steps 2+), the rollout share f and its Amdahl bound, the drafter's update time, reward
+   curves overlaid and the accepted length of the frozen vs the online drafter on the drifting
+   policy (``tlt_smollm2_grpo.png``).
 
-GRPO step time and online-vs-frozen drafter on SmolLM2 are not measured here (rows say so).
+``python -m experiments.tlt --parts grpo`` runs one part (with the warm-up it needs) and writes
+``tlt_grpo``.
 """
 
 from __future__ import annotations

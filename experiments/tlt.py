@@ -25,7 +25,8 @@ Run: ``python -m experiments.tlt --quick``.
 
 Full mode (``python -m experiments.tlt``) runs the TLT decode measurements on SmolLM2-135M-Instruct
 (``experiments/_tlt_smollm2.py``): the regime row, then speculative decode speedup at batch 1-8,
-chain and tree, full vs reduced draft vocabulary, and greedy losslessness.
+chain and tree, full vs reduced draft vocabulary, greedy losslessness, and GRPO (TLT vs vanilla
+rollout, online vs frozen drafter); ``--parts`` runs some of them.
 """
 
 from __future__ import annotations
