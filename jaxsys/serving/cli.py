@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "(default: --sink)")
   p.add_argument("--prefill-window", type=int, default=None, help="streaming heads' local window in "
                  "prefill (default: --window)")
+  p.add_argument("--prefill-dense-tail", type=int, default=None,
+                 help="last prompt tokens whose streaming heads attend to the whole prompt in prefill "
+                      "(default: LServeConfig's)")
   p.add_argument("--gates", help="streaming gates JSON (from identify_streaming_heads)")
   p.add_argument("--kv-int8", action="store_true", help="int8 KV pages with per-token scales")
   p.add_argument("--max-new-tokens", type=int, default=32)
@@ -144,7 +147,9 @@ def main(argv=None) -> int:
     ls = LServeConfig(dense=dense, page_size=args.page_size, logical_page_size=args.logical_page,
                       token_budget=args.budget, reuse_steps=args.reuse, sink=args.sink,
                       window=args.window, kv_int8=args.kv_int8, prefill_sink=args.prefill_sink,
-                      prefill_window=args.prefill_window, sink_pages=args.sink_pages)
+                      prefill_window=args.prefill_window, sink_pages=args.sink_pages,
+                      **({} if args.prefill_dense_tail is None
+                         else {"prefill_dense_tail": args.prefill_dense_tail}))
     cfg = ServingConfig(lserve=ls, max_batch=args.max_batch, num_pages=args.num_pages,
                        max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
                        else args.max_seq_len, max_num_batched_tokens=args.max_num_batched_tokens,

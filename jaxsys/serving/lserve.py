@@ -43,6 +43,9 @@ class LServeConfig:
   learned; ``sink``/``window`` are in tokens. ``prefill_sink`` / ``prefill_window`` (None: the
   same as decode) give streaming heads a different sink + local span during prefill, as
   omniserve configures prefill and decode separately; the streaming pool keeps what decode reads.
+  ``prefill_dense_tail``: the queries of the last that many prompt tokens attend densely in the
+  streaming heads too (``prefill.dense_tail``): the prompt's end (the question) decides the first
+  answer token, and there the streaming heads' view of the whole context matters.
   ``sink_pages``: leading pages every retrieval-head selection keeps (``SelectionConfig``).
   """
   dense: bool = False
@@ -58,13 +61,14 @@ class LServeConfig:
   prefill_sink: int | None = None
   prefill_window: int | None = None
   sink_pages: int = 1
+  prefill_dense_tail: int = 0
 
   def __post_init__(self):
     # SelectionConfig validates page/budget divisibility with errors naming the fields.
     self._selection()
     check_range("streaming_fraction", self.streaming_fraction, 0.0, 1.0)
     check_min(self, 1, "window")
-    check_min(self, 0, "sink")
+    check_min(self, 0, "sink", "prefill_dense_tail")
     if self.prefill_sink is not None:
       check_min(self, 0, "prefill_sink")
     if self.prefill_window is not None:
@@ -90,7 +94,8 @@ class LServeConfig:
         page_size=self.page_size, logical_page_size=self.logical_page_size,
         max_requests=max_requests, sink=self.sink, window=self.window,
         streaming=None if self.dense else streaming, dtype=dtype, kv_int8=self.kv_int8,
-        prefill_sink=self.prefill_sink, prefill_window=self.prefill_window)
+        prefill_sink=self.prefill_sink, prefill_window=self.prefill_window,
+        prefill_dense_tail=self.prefill_dense_tail)
 
 
 def check_selection(c: PagedCacheConfig, sel: ps.SelectionConfig | None):

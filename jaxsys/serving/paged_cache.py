@@ -72,11 +72,12 @@ class PagedCacheConfig:
   kv_int8: bool = False
   prefill_sink: int | None = None     # streaming heads' sink / local span in prefill (None: sink)
   prefill_window: int | None = None   # (None: window)
+  prefill_dense_tail: int = 0         # last prompt tokens whose streaming heads attend densely
 
   def __post_init__(self):
     check_min(self, 1, "num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
               "logical_page_size", "max_requests", "window")
-    check_min(self, 0, "sink")
+    check_min(self, 0, "sink", "prefill_dense_tail")
     check_multiple("page_size", self.page_size, "logical_page_size", self.logical_page_size)
     if self.streaming is not None:
       s = np.asarray(self.streaming, bool)

@@ -57,7 +57,7 @@ class PagedPrefill:
   lengths = None  # positions are always given
 
   def attend(self, layer: int, attn, q, k, v):
-    from jaxsys.serving.prefill import hybrid_attention
+    from jaxsys.serving.prefill import dense_tail, hybrid_attention
     st = write_tokens(self.config, self.state, layer, k, v, self.block_table, self.stream_table,
                       self.positions, self.valid)
     new = dataclasses.replace(self, state=st)
@@ -73,6 +73,7 @@ class PagedPrefill:
     o = hybrid_attention(self.config, layer, q, k, v, q_offset=self.q_offset,
                          kv_lengths=self.kv_lengths, retrieval_mask=self.retrieval_mask,
                          impl=self.impl)
+    o = dense_tail(self.config, layer, o, q, k, v, self.positions, self.kv_lengths, impl=self.impl)
     return o, new
 
   def advance(self, seq: int) -> "PagedPrefill":

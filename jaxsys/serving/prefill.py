@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError
@@ -36,7 +37,7 @@ from jaxsys.ops import attention, masks
 from jaxsys.serving.paged_cache import PagedCacheConfig
 from jaxsys.serving.paged_views import PagedChunk, PagedPrefill
 
-__all__ = ["check_model", "hybrid_attention", "layer_mask", "prefill", "prefill_chunk"]
+__all__ = ["check_model", "dense_tail", "hybrid_attention", "layer_mask", "prefill", "prefill_chunk"]
 
 
 def layer_mask(c: PagedCacheConfig, layer: int, num_heads: int,
@@ -57,6 +58,43 @@ def hybrid_attention(c: PagedCacheConfig, layer: int, q, k, v, *, q_offset, kv_l
   """Prefill attention of a layer: ``q [b, t, heads, d]``, ``k, v [b, s, kv_heads, d]``."""
   mask = layer_mask(c, layer, q.shape[2], retrieval_mask)
   return attention(q, k, v, mask=mask, q_offset=q_offset, kv_lengths=kv_lengths, impl=impl)
+
+
+def dense_tail(c: PagedCacheConfig, layer: int, o, q, k, v, positions, kv_lengths, *,
+               impl: str = "auto"):
+  """Recomputes the streaming heads' rows of the last ``c.prefill_dense_tail`` prompt tokens
+  with causal (dense) attention over the whole prefix.
+
+  The hybrid prefill gives a streaming head only ``Sink | Local`` at every query; at the end of
+  the prompt (the question), whose states decide the first answer token, that loses what the
+  head reads from far back. The tail costs ``tail x prompt`` scores per streaming head, against
+  the ``prompt x (sink + window)`` of the band. The keys and values written to the cache are
+  unchanged: decode reads what the streaming pool keeps.
+
+  Shapes: ``o, q [b, t, heads, d]`` (the chunk's output and queries), ``k, v [b, s, kv_heads,
+  d]`` (the prefix up to the chunk's end), ``positions int[b, t]`` (absolute), ``kv_lengths
+  int[b]`` (prompt lengths). Returns ``o`` with the tail rows of the streaming heads replaced.
+  """
+  kv_heads = c.streaming_heads(layer)
+  if c.prefill_dense_tail == 0 or len(kv_heads) == 0:
+    return o
+  b, t, heads, _ = q.shape
+  g = heads // c.num_kv_heads
+  q_heads = (kv_heads[:, None] * g + np.arange(g)[None]).reshape(-1)       # streaming query heads
+  n = min(c.prefill_dense_tail, t)
+  # The n chunk rows that hold the tail's part in this chunk (clipped into the chunk); rows
+  # outside the tail keep their hybrid output (row_ok).
+  start = jnp.clip(kv_lengths - c.prefill_dense_tail - positions[:, 0], 0, t - n)    # [b]
+  rows = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None]                       # [b, n]
+  pos = jnp.take_along_axis(positions, rows, axis=1)                                 # [b, n]
+  row_ok = (pos >= kv_lengths[:, None] - c.prefill_dense_tail) & (pos < kv_lengths[:, None])
+  qt = jnp.take_along_axis(q[:, :, q_heads], rows[:, :, None, None], axis=1)         # [b, n, hs, d]
+  ot = attention(qt, k[:, :, kv_heads], v[:, :, kv_heads], mask=masks.Causal(), q_offset=pos[:, 0],
+                 kv_lengths=kv_lengths, impl=impl)                                   # [b, n, hs, d]
+  old = jnp.take_along_axis(o[:, :, q_heads], rows[:, :, None, None], axis=1)
+  new = jnp.where(row_ok[:, :, None, None], ot.astype(o.dtype), old)
+  bi = jnp.arange(b)[:, None, None]
+  return o.at[bi, rows[:, :, None], q_heads[None, None]].set(new)
 
 
 def check_model(model, c: PagedCacheConfig):

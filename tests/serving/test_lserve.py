@@ -127,3 +127,44 @@ def test_prefill_sink_and_window_apart_from_decode():
   assert cfg.prefill_span == (8, 512) and (cfg.sink, cfg.window) == (64, 256)
   with pytest.raises(ConfigError, match="prefill_window"):
     lserve.LServeConfig(prefill_window=0)
+
+
+@pytest.mark.parametrize("q_offset,t", [(0, 45), (16, 16), (32, 13)])
+def test_prefill_dense_tail_rows_equal_causal(q_offset, t):
+  """The last ``prefill_dense_tail`` prompt tokens' streaming-head rows are dense (causal to the
+  prompt length), every other row keeps the hybrid output; chunks see the tail's part in them."""
+  from jaxsys.serving.prefill import dense_tail, hybrid_attention
+  length, tail = 37, 8  # rows 37.. of the 45-token bucket are padding
+  c = pc.PagedCacheConfig(num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=12, page_size=8,
+                          logical_page_size=4, sink=4, window=10, streaming=((True, False),),
+                          prefill_dense_tail=tail)
+  rng = np.random.default_rng(5)
+  q_all = jnp.asarray(rng.standard_normal((1, 45, HEADS, D)), jnp.float32)
+  k_all, v_all = (jnp.asarray(rng.standard_normal((1, 45, HK, D)), jnp.float32) for _ in range(2))
+  lengths = jnp.asarray([length], jnp.int32)
+  q = q_all[:, q_offset:q_offset + t]
+  k, v = k_all[:, :q_offset + t], v_all[:, :q_offset + t]
+  positions = q_offset + jnp.arange(t, dtype=jnp.int32)[None]
+  hybrid = hybrid_attention(c, 0, q, k, v, q_offset=q_offset, kv_lengths=lengths, impl="xla")
+  got = jax.jit(lambda o: dense_tail(c, 0, o, q, k, v, positions, lengths, impl="xla"))(hybrid)
+  causal = attention(q, k, v, mask=masks.Causal(), q_offset=q_offset, kv_lengths=lengths,
+                     impl="reference")
+  pos = np.asarray(positions[0])
+  in_tail = (pos >= length - tail) & (pos < length)
+  want = np.array(hybrid)
+  want[:, in_tail, :2] = np.asarray(causal)[:, in_tail, :2]  # query heads 0, 1 read kv head 0
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  if in_tail.any():  # the tail changes the streaming heads' rows (the test can fail)
+    assert not np.allclose(np.asarray(hybrid)[:, in_tail, :2], want[:, in_tail, :2], atol=1e-3)
+  c0 = pc.PagedCacheConfig(**{**c.__dict__, "prefill_dense_tail": 0})
+  assert dense_tail(c0, 0, hybrid, q, k, v, positions, lengths) is hybrid
+
+
+def test_prefill_dense_tail_config():
+  cfg = lserve.LServeConfig(prefill_dense_tail=32).cache_config(
+      num_layers=1, num_kv_heads=HK, head_dim=D, num_pages=8, max_requests=1)
+  assert cfg.prefill_dense_tail == 32
+  with pytest.raises(ConfigError, match="prefill_dense_tail=-1 must be >= 0"):
+    lserve.LServeConfig(prefill_dense_tail=-1)
+  with pytest.raises(ConfigError, match="prefill_dense_tail"):
+    pc.PagedCacheConfig(num_layers=1, num_kv_heads=HK, head_dim=D, prefill_dense_tail=-2)
