@@ -28,11 +28,14 @@ instructions). Measures:
    policy (``tlt_smollm2_grpo.png``).
 
 ``python -m experiments.tlt --parts grpo`` runs one part (with the warm-up it needs) and writes
-``tlt_grpo``.
+``tlt_grpo``. ``JAXSYS_TLT_DRAFTER=<run>/tlt/drafter_ckpt/smollm2_<time>`` restores a drafter an
+earlier run saved (same settings) instead of training one; only the rollouts GRPO's online
+buffer starts from are then sampled.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -172,7 +175,10 @@ def run(out_dir: str, parts=None) -> list[Row]:
   buffer = online.DrafterBuffer(max_steps=cfg["warm_rollouts"], seed=0)
   lengths, seqs, plens, warm_results = [], [], [], []
   t0 = time.perf_counter()
-  for k in range(cfg["warm_rollouts"]):
+  # JAXSYS_TLT_DRAFTER=<checkpoint>: a drafter this experiment saved before (same settings)
+  # replaces the warm-up training; only the rollouts GRPO's online buffer starts from are sampled.
+  saved = os.environ.get("JAXSYS_TLT_DRAFTER")
+  for k in range(cfg["online_buffer"] if saved else cfg["warm_rollouts"]):
     res = roll.generate(_prompts(sampler, cfg["warm_batch"], rng), seed=100 + k)
     buffer.add(k, res.sequences, res.features, res.prompt_lengths)
     warm_results = (warm_results + [res])[-cfg["online_buffer"]:]  # GRPO's online buffer starts here
@@ -181,8 +187,12 @@ def run(out_dir: str, parts=None) -> list[Row]:
     plens += res.prompt_lengths
   log["rollout_seconds"] = time.perf_counter() - t0
   lengths = np.asarray(lengths)
-  ids = top_token_ids(seqs, cfg["draft_vocab"], mc.vocab_size, plens)
-  drafter.set_draft_vocab(ids)
+  if saved:
+    drafter = online.load_drafter(saved, dcfg)
+    ids = np.asarray(drafter.draft_ids[...])
+  else:
+    ids = top_token_ids(seqs, cfg["draft_vocab"], mc.vocab_size, plens)
+    drafter.set_draft_vocab(ids)
   counts = np.bincount(np.concatenate([np.asarray(s)[p:] for s, p in zip(seqs, plens)]),
                        minlength=mc.vocab_size)
   coverage = float(counts[ids].sum() / counts.sum())
@@ -190,14 +200,17 @@ def run(out_dir: str, parts=None) -> list[Row]:
   r_ho = roll.generate(_prompts(sampler, cfg["warm_batch"], np.random.default_rng(99)), seed=7)
   heldout.add(0, r_ho.sequences, r_ho.features, r_ho.prompt_lengths)
   seq_len = 1 << (max_prompt + cfg["max_new"] - 1).bit_length()
-  trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=seq_len)
   t0 = time.perf_counter()
-  log["drafter_warm"] = trainer.train(model, buffer, cfg["warm_steps"])
+  if saved:
+    log["drafter_warm"] = {"restored": saved}
+  else:
+    trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=seq_len)
+    log["drafter_warm"] = trainer.train(model, buffer, cfg["warm_steps"])
+    drafter = trainer.drafter
+    online.save_drafter(out / "drafter_ckpt" / f"smollm2_{int(time.time())}", drafter)
   log["drafter_warm_seconds"] = time.perf_counter() - t0
-  drafter = trainer.drafter
   ho = drafter_loss(drafter, model, *(jax.numpy.asarray(a) for a in heldout.sample(16, seq_len)))[1]
   log["drafter_warm"]["heldout_top1"] = float(ho["top1"])
-  online.save_drafter(out / "drafter_ckpt" / f"smollm2_{int(time.time())}", drafter)
   # The same trained block drafting through the full head (all 49152 rows).
   full = EagleDrafter(DrafterConfig.for_target(mc), rngs=nnx.Rngs(1))
   nnx.update(full, nnx.state(drafter, nnx.Param))
@@ -207,9 +220,10 @@ def run(out_dir: str, parts=None) -> list[Row]:
                   note=f"{len(lengths)} sampled responses (T={cfg['temperature']}), median {med:.0f}, "
                        f"max {lengths.max()} tokens (max_new {cfg['max_new']})"))
   rows.append(Row(metric="drafter warm-up (reduced vocab CE)", unit="held-out top-1", ours=float(ho["top1"]),
-                  note=f"{cfg['warm_steps']} steps in {log['drafter_warm_seconds']:.0f}s on "
-                       f"{len(lengths)} responses; K={cfg['draft_vocab']} covers {coverage:.3f} "
-                       f"of response tokens"))
+                  note=(f"restored from {saved}" if saved else
+                        f"{cfg['warm_steps']} steps in {log['drafter_warm_seconds']:.0f}s on "
+                        f"{len(lengths)} responses") + f"; K={cfg['draft_vocab']} covers "
+                       f"{coverage:.3f} of response tokens"))
   print(f"[tlt/smollm2] warm-up: {log}", flush=True)
 
   # ---- 3) speedup vs batch ----------------------------------------------------------------
