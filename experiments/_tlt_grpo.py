@@ -1,8 +1,8 @@
 """TLT vs vanilla GRPO, interleaved in one process: the comparison both TLT modes run.
 
-``compare`` builds the two pipelines (``make_trainer(speculative) -> (trainer, engine, spot)``,
-e.g. over ``jaxsys.rl.tlt.make_tlt_trainer``), compiles every rollout executable and every
-update width before step 1, then runs ``steps`` GRPO steps of each, alternating (same machine
+``compare`` builds the two pipelines (``make_tlt(speculative) -> jaxsys.rl.tlt.TLT``, i.e.
+``make_tlt_trainer`` with the experiment's settings), compiles every rollout executable and every
+update width before step 1 (``TLT.precompile``), then runs ``steps`` GRPO steps of each, alternating (same machine
 load), and after each step measures the accepted length of a drafter trained once (``drafter0``)
 and of the online one on the current TLT policy (``eval_prompts``, ``strategy`` forced). Compiles
 inside each timed step are counted (``jaxsys.core.bench.compile_count``).
@@ -23,19 +23,16 @@ from jaxsys.core.results import Row
 __all__ = ["compare", "plot_rewards", "rows"]
 
 
-def compare(make_trainer, policy, drafter0, rollout_cfg, eval_prompts, strategy, pool, steps: int,
+def compare(make_tlt, policy, drafter0, rollout_cfg, eval_prompts, strategy, pool, steps: int,
             tag: str = "tlt") -> dict:
   """Runs the interleaved comparison; returns ``{"tlt": [...], "vanilla": [...], "acc_frozen":
   [...], "acc_online": [...]}`` (per-step metrics of ``GRPOTrainer.step`` and accepted lengths)."""
   from jaxsys.core.bench import compile_count, watch_compiles
   from jaxsys.speculative.engine import RolloutEngine
 
-  tlt, tlt_engine, _ = make_trainer(True)
-  van, van_engine, _ = make_trainer(False)
+  tlt, van = make_tlt(True), make_tlt(False)
   # Every executable either rollout can need (all buckets, every shrink, both long-tail loops)
   # and the update at every minibatch width, before step 1: no timed step may compile.
-  tlt_engine.precompile()
-  van_engine.precompile()
   tlt.precompile()
   van.precompile()
   watch_compiles()
@@ -49,9 +46,9 @@ def compare(make_trainer, policy, drafter0, rollout_cfg, eval_prompts, strategy,
       m.pop("responses")
       m["compilations"] = compile_count() - n0
       hist[name].append(m)
-    frozen_eval.set_weights(tlt.policy)
-    online_eval.set_weights(tlt.policy)
-    online_eval.set_drafter(tlt_engine.dstate)
+    frozen_eval.set_weights(tlt.trainer.policy)
+    online_eval.set_weights(tlt.trainer.policy)
+    online_eval.set_drafter(tlt.engine.dstate)
     for key, eng in (("acc_frozen", frozen_eval), ("acc_online", online_eval)):
       r = eng.generate(eval_prompts, seed=step, force_strategy=strategy)
       hist[key].append(r.stats["mean_accepted"] + 1)

@@ -231,7 +231,6 @@ def run(out_dir: str, parts=None) -> list[Row]:
   if "speedup" in parts:
     engines = {"reduced": RolloutEngine(model, drafter, RolloutConfig(**base), pool=pool),
                "full": RolloutEngine(model, full, RolloutConfig(**base), pool=pool)}
-    curve = {"batch": []}
     for b in cfg["batches"]:
       prompts = _prompts(sampler, b, np.random.default_rng(10 + b), long_only=True)
       runs = [("vanilla", "reduced", None), ("chain", "reduced", chain), ("tree", "reduced", tree)]
@@ -279,8 +278,9 @@ def run(out_dir: str, parts=None) -> list[Row]:
       rows.append(Row(metric="vanilla engine vs decoding core generate @ batch 1", unit="tokens/s",
                       baseline=curve["generate"][0], baseline_name="generate (same prompts and rounds)",
                       ours=curve["vanilla"][0], ratio=curve["vanilla"][0] / curve["generate"][0],
-                      note=f"both include their prefill; generate's per-step figure: {1.0 / step_s:.1f} "
-                           "tokens/s; speedup rows use the faster of the two"))
+                      note="both include their prefill; "
+                           + ("" if step_s is None else f"generate's per-step figure: {1.0 / step_s:.1f} tokens/s; ")
+                           + "speedup rows use the faster of the two"))
 
   # ---- 4) greedy losslessness -------------------------------------------------------------
   if "lossless" in parts:
@@ -337,14 +337,13 @@ def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out):
                       online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
                       drafter_batch=8, spot_steps=cfg["spot_steps"], synchronous=True)
 
-  def make_trainer(speculative: bool):
-    built = make_tlt_trainer(model, drafter0, sampler, rollout, tlt_cfg, speculative=speculative,
-                             warm_rollouts=warm_results, pool=pool, reward_fn=sampler.reward_fn,
-                             pad_id=sampler.pad_id)
-    return built.trainer, built.engine, built.spot
+  def make_tlt(speculative: bool):
+    return make_tlt_trainer(model, drafter0, sampler, rollout, tlt_cfg, speculative=speculative,
+                            warm_rollouts=warm_results, pool=pool, reward_fn=sampler.reward_fn,
+                            pad_id=sampler.pad_id)
 
   eval_prompts = _prompts(sampler, cfg["n_eval"], np.random.default_rng(9), long_only=True)
-  hist = _tlt_grpo.compare(make_trainer, model, drafter0, RolloutConfig(**base), eval_prompts,
+  hist = _tlt_grpo.compare(make_tlt, model, drafter0, RolloutConfig(**base), eval_prompts,
                            Strategy(*cfg["chain"]), pool, cfg["grpo_steps"], tag="tlt/smollm2")
   rows, summary = _tlt_grpo.rows(hist, cfg["spot_steps"], None if step_s is None else 1e3 * step_s,
                                  label=" (SmolLM2)")

@@ -179,16 +179,15 @@ def run_tiny(quick: bool, out_dir: str) -> list[Row]:
                       drafter_batch=16, spot_steps=cfg["spot_steps"], synchronous=True)
   rollout = RolloutConfig(**base)
 
-  def make_trainer(speculative: bool):
+  def make_tlt(speculative: bool):
     tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=7, **mix)
-    built = make_tlt_trainer(policy, drafter0, tsamp, rollout, tlt_cfg, speculative=speculative,
-                             warm_rollouts=warm_rollouts, pool=pool, reward_fn=synthetic.reward,
-                             pad_id=synthetic.VOCAB.pad)
-    return built.trainer, built.engine, built.spot
+    return make_tlt_trainer(policy, drafter0, tsamp, rollout, tlt_cfg, speculative=speculative,
+                            warm_rollouts=warm_rollouts, pool=pool, reward_fn=synthetic.reward,
+                            pad_id=synthetic.VOCAB.pad)
 
   eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(9))]
-  hist = _tlt_grpo.compare(make_trainer, policy, drafter0, RolloutConfig(**base), eval_prompts,
-                           chain, pool, cfg["grpo_steps"])
+  hist = _tlt_grpo.compare(make_tlt, policy, drafter0, rollout, eval_prompts, chain, pool,
+                           cfg["grpo_steps"])
   step_ms_b1 = 1e3 / curve["vanilla_tput"][0] if curve["batch"][0] == 1 else None
   grpo_rows, summary = _tlt_grpo.rows(hist, cfg["spot_steps"], step_ms_b1)
   rows += grpo_rows
