@@ -333,7 +333,10 @@ def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out):
   tlt_cfg = TLTConfig(grpo=grpo.GRPOConfig(group_size=cfg["group_size"],
                                            prompts_per_step=cfg["prompts_per_step"],
                                            lr=cfg["grpo_lr"], kl_coef=0.0,
-                                           length_bucket=cfg["length_bucket"], seed=0),
+                                           length_bucket=cfg["length_bucket"], seed=0,
+                                           # two policies with Adam in 24 GB: recompute the
+                                           # blocks' activations in the backward pass
+                                           remat=True),
                       online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
                       drafter_batch=8, spot_steps=cfg["spot_steps"], synchronous=True)
 

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -107,6 +108,38 @@ class Decoder(nnx.Module):
     else:
       out = jnp.einsum("bsd,dv->bsv", h, self.lm_head[...].astype(h.dtype))  # [batch, seq, vocab]
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+  def target_logprobs(self, h, targets, *, chunk: int = 128):
+    """``log softmax(logits(h))[targets]``: float32 ``[batch, seq]`` from hidden states ``h
+    [batch, seq, embed]`` and ``targets int[batch, seq]``.
+
+    The head runs ``chunk`` positions at a time under ``jax.checkpoint`` (a ``lax.map`` over
+    chunks), so neither the forward nor the backward pass holds the ``[batch, seq, vocab]``
+    logits: at SmolLM2's 49152-token vocabulary a batch of 8 x 512 positions would be 805 MB per
+    copy, ~4 copies with the softmax and its gradient. The per-position numbers are
+    ``jax.nn.log_softmax``'s (same shift by the stop-gradient max).
+    """
+    if h.ndim != 3 or targets.shape != h.shape[:2]:
+      raise ShapeError(f"h must be [batch, seq, embed] and targets [batch, seq]; got {h.shape} "
+                       f"and {targets.shape}")
+    if chunk < 1:
+      raise ConfigError(f"{chunk=} must be >= 1")
+    b, s, d = h.shape
+
+    def one(hc, tc):                                              # [b, c, embed], int[b, c]
+      logits = self.logits(hc)                                    # [b, c, vocab] float32
+      m = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+      shifted = logits - m
+      lse = jnp.log(jnp.exp(shifted).sum(-1))                     # [b, c]
+      return jnp.take_along_axis(shifted, tc[..., None], axis=-1)[..., 0] - lse
+
+    if s <= chunk:
+      return one(h, targets)
+    pad = -s % chunk
+    hc = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d).swapaxes(0, 1)
+    tc = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), (hc, tc))   # [n_chunks, b, chunk]
+    return out.swapaxes(0, 1).reshape(b, -1)[:, :s]
 
   # ---- full model ---------------------------------------------------------------------------
   def __call__(self, tokens=None, *, positions=None, segment_ids=None, cache=None,

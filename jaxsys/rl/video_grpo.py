@@ -161,9 +161,7 @@ def response_logprobs(model, ft, inputs, prompt: int, *, frame_slot=None, send_i
   emb = model.embed_with_frame_tokens(inputs, ft, frame_slot=frame_slot, send_idx=send_idx,
                                       recv_pos=recv_pos)                 # [b, L, H]
   h, _ = model.lm.forward_hidden(embeds=emb)
-  logits = model.lm.logits(h[:, prompt - 1:-1]).astype(jnp.float32)     # [b, R, vocab]
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  return jnp.take_along_axis(logp, inputs[:, prompt:, None], axis=-1)[..., 0]
+  return model.lm.target_logprobs(h[:, prompt - 1:-1], inputs[:, prompt:])   # [b, R]
 
 
 @dataclasses.dataclass(frozen=True)

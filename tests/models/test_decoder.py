@@ -157,3 +157,29 @@ def test_shipped_tiny_lm(tmp_path):
   assert M.exact_match(tiny, exs) >= 0.75  # associative recall is what the recipe teaches best
   with pytest.raises(InputError, match="train_tiny_lm"):
     M.load_tiny_lm(tmp_path)
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 64])   # ragged last chunk, exact chunks, one chunk
+def test_target_logprobs_chunked_equals_log_softmax(model, chunk):
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, 61, (2, 12)))
+
+  def naive(m):
+    logp = jax.nn.log_softmax(m(tokens)[:, :-1], axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+  def chunked(m):
+    h, _ = m.forward_hidden(tokens)
+    return m.target_logprobs(h[:, :-1], tokens[:, 1:], chunk=chunk)
+
+  want, got = naive(model), chunked(model)
+  assert got.shape == (2, 11)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  w = jnp.asarray(np.random.default_rng(6).normal(size=(2, 11)), jnp.float32)
+  g1 = nnx.grad(lambda m: jnp.sum(naive(m) * w))(model)
+  g2 = nnx.grad(lambda m: jnp.sum(chunked(m) * w))(model)
+  for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):   # every parameter
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  with pytest.raises(ConfigError, match="chunk=0 must be >= 1"):
+    model.target_logprobs(jnp.zeros((1, 2, 32)), jnp.zeros((1, 2), jnp.int32), chunk=0)
+  with pytest.raises(ShapeError, match="targets"):
+    model.target_logprobs(jnp.zeros((1, 2, 32)), jnp.zeros((1, 3), jnp.int32))

@@ -167,3 +167,36 @@ def test_length_grouped_minibatches_are_exact_and_precompiled():
   assert not n_compiles
   with pytest.raises(ConfigError, match="length_bucket"):
     grpo.GRPOConfig(length_bucket=-1)
+
+
+def test_remat_update_equals_plain_update():
+  """``GRPOConfig.remat`` changes memory, not numbers: the same step from the same weights."""
+  def trainer(remat):
+    policy = random_model(PCFG, 0)
+    engine = RolloutEngine(policy, None, RolloutConfig(max_new=6, max_prompt=8, batch_buckets=(8,),
+                                                      stop_tokens=(tasks.EOS,),
+                                                      sampling=SamplingParams(1.0), speculative=False))
+    cfg = grpo.GRPOConfig(group_size=2, prompts_per_step=4, length_bucket=8, kl_coef=0.0, remat=remat)
+    return grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0), cfg)
+
+  plain, remat = trainer(False), trainer(True)
+  assert plain.ref_params is None            # kl_coef = 0: no reference copy is kept
+  assert plain.train_gdef is plain.gdef and remat.train_gdef is not remat.gdef
+  tokens = jax.random.randint(jax.random.key(2), (4, 14), 0, tasks.VOCAB)
+  mask = jnp.zeros((4, 13)).at[:, 5:].set(1.0)
+  adv = jnp.array([1.0, -1.0, 0.5, -0.5])
+  out = []
+  for tr in (plain, remat):
+    old, ref = tr._logps(tokens)
+    params, _, aux = tr._update(tr.train_gdef, tr.params, tr.rest, tr.opt_state, tokens, mask, adv,
+                                old - 0.05, ref)
+    out.append((params, float(aux["loss"])))
+  assert out[0][1] == pytest.approx(out[1][1], rel=1e-5)
+  moved = 0.0
+  for a, b, c in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0]),
+                     jax.tree.leaves(plain.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    moved = max(moved, float(jnp.abs(a - c).max()))
+  assert moved > 0                           # the update did move the weights
+  plain.step()                               # and a whole step runs with a rematerialised update
+  remat.step()
