@@ -335,8 +335,9 @@ def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out):
                                            lr=cfg["grpo_lr"], kl_coef=0.0,
                                            length_bucket=cfg["length_bucket"], seed=0,
                                            # two policies with Adam in 24 GB: recompute the
-                                           # blocks' activations in the backward pass
-                                           remat=True),
+                                           # blocks' activations in the backward pass, and
+                                           # update on 4 responses at a time
+                                           remat=True, minibatches=4),
                       online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
                       drafter_batch=8, spot_steps=cfg["spot_steps"], synchronous=True)
 
