@@ -20,7 +20,8 @@ instructions). Measures:
    reduced vs full draft vocabulary (the same trained block, drafting through all 49152 head
    rows), with the mean accepted length;
 4. greedy losslessness: speculative == vanilla token for token on 8 prompts;
-5. GRPO on the chat tasks (4 prompts x G = 4 per step, 10 steps, lr 1e-6, no KL term), TLT
+5. GRPO on the chat tasks (4 prompts x G = 4 per step, 10 steps, lr 1e-6, no KL term; updates
+   on 4 responses at a time with the blocks rematerialised, which keeps the run under ~19 GB), TLT
    (online drafter, bandit with a vanilla arm, speculative long tail) vs the vanilla rollout,
    same seeds, interleaved in one process (``experiments._tlt_grpo``): step / rollout / update
    time (steps 2+), the rollout share f and its Amdahl bound, the drafter's update time, reward
@@ -28,7 +29,8 @@ instructions). Measures:
    policy (``tlt_smollm2_grpo.png``).
 
 ``python -m experiments.tlt --parts grpo`` runs one part (with the warm-up it needs) and writes
-``tlt_grpo``. ``JAXSYS_TLT_DRAFTER=<run>/tlt/drafter_ckpt/smollm2_<time>`` restores a drafter an
+``runs/tlt_grpo/`` (plots and the drafter checkpoint too).
+``JAXSYS_TLT_DRAFTER=runs/tlt/drafter_ckpt/smollm2_<time>`` restores a drafter an
 earlier run saved (same settings) instead of training one; only the rollouts GRPO's online
 buffer starts from are then sampled.
 """
@@ -117,7 +119,8 @@ def run(out_dir: str, parts=None) -> list[Row]:
   if set(parts) - set(PARTS):
     raise ValueError(f"parts={list(parts)} must be names among {PARTS}")
   cfg = _config()
-  out = run_dir(NAME, out_dir)
+  name = NAME if parts == PARTS else NAME + "_" + "_".join(parts)
+  out = run_dir(name, out_dir)     # plots, the drafter checkpoint and the XLA cache beside result.json
   t_start = time.perf_counter()
   model, tok = load_pretrained(MODEL)
   mc = model.config
@@ -306,7 +309,6 @@ def run(out_dir: str, parts=None) -> list[Row]:
   config = dict(cfg, model=MODEL, parts=list(parts), chain=chain.name, tree=tree.name,
                 draft_coverage=coverage, lengths=lengths.tolist(), compilations=pool.compilations,
                 seconds=time.perf_counter() - t_start, machine_note="2-core CPU host", **summary)
-  name = NAME if tuple(parts) == PARTS else NAME + "_" + "_".join(parts)
   write_result(name, rows, config=config, quick=False, out_dir=out_dir,
                extra={"curves": curve, "warm": log, "grpo": hist})
   return rows
