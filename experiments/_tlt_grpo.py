@@ -11,7 +11,9 @@ inside each timed step are counted (``jaxsys.core.bench.compile_count``).
 ops): step / rollout / update time, step time with the drafter's updates added (a host with no
 idle resources), the final reward of both runs and the accepted length, online vs frozen. The
 step row's ``ideal`` is the Amdahl bound ``1 / (1 - f)`` of a free rollout, ``f`` the vanilla
-rollout's share of the step. ``plot_rewards`` overlays the two reward curves.
+rollout's share of the step. The drafter's update time is set against the rollout's idle slots
+(the idle share of its row-steps, ``1 - mean / longest response length``, times its time).
+``plot_rewards`` overlays the two reward curves.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def rows(hist: dict, spot_steps: int, decode_step_ms: float | None = None,
   v_cpu, t_cpu = _mean(hist, "vanilla", "step_cpu_seconds", skip), _mean(hist, "tlt", "step_cpu_seconds", skip)
   v_train, t_train = _mean(hist, "vanilla", "train_seconds", skip), _mean(hist, "tlt", "train_seconds", skip)
   t_dr = _mean(hist, "tlt", "drafter_seconds", skip)
+  # Idle share of the vanilla rollout: the row-steps of finished responses while the longest one
+  # decodes, 1 - mean length / longest (per step); TLT trains the drafter on those slots.
+  idle = float(np.mean([1.0 - m["len_mean"] / max(m["len_max"], 1) for m in hist["vanilla"][skip:]]))
   late = sum(m["compilations"] for k in ("tlt", "vanilla") for m in hist[k][skip:])
   # Amdahl: speculation only shortens the rollout. With the vanilla rollout a fraction f of the
   # step, no rollout speedup can make the step more than 1/(1-f) faster ("ideal" below).
@@ -102,6 +107,11 @@ def rows(hist: dict, spot_steps: int, decode_step_ms: float | None = None,
       Row(metric=f"GRPO step time incl. drafter training (no spare resources){label}", unit="s",
           baseline=v_step, baseline_name="vanilla rollout", ours=t_step + t_dr,
           note=f"drafter training {t_dr:.2f}s/step ({spot_steps} updates between rollouts)"),
+      Row(metric=f"drafter training vs the rollout's idle slots{label}", unit="s",
+          baseline=idle * v_roll, baseline_name="idle share x vanilla rollout", ours=t_dr,
+          ratio=idle * v_roll / t_dr if t_dr else None,
+          note=f"idle share {idle:.2f} = 1 - mean/longest response length; ratio >= 1: the "
+               "drafter's updates fit in the slots the long tail leaves idle"),
       Row(metric=f"final reward (mean of last 2 steps){label}", unit="reward (ratio = ours/baseline)",
           baseline=v_final, baseline_name="vanilla", ours=t_final,
           ratio=t_final / v_final if v_final else None),
@@ -110,6 +120,7 @@ def rows(hist: dict, spot_steps: int, decode_step_ms: float | None = None,
           ours=hist["acc_online"][-1], ratio=hist["acc_online"][-1] / hist["acc_frozen"][-1]),
   ]
   summary = dict(step_vanilla=v_step, step_tlt=t_step, rollout_fraction=frac, amdahl=1 / max(1 - frac, 1e-9),
+                 idle_share=idle,
                  drafter_seconds=t_dr, compilations_in_steps_2plus=late)
   return out, summary
 
