@@ -71,7 +71,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
-from jaxsys.models.decoder import replace_config
+from jaxsys.models.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.train import apply_optax
 
@@ -297,6 +297,8 @@ class GRPOTrainer:
     if temperature_check and engine.config.sampling.greedy:
       raise ConfigError("GRPO needs sampled rollouts: engine sampling temperature must be > 0")
     self.gdef, self.params, self.rest = nnx.split(policy, nnx.Param, ...)
+    if config.remat and not isinstance(policy, Decoder):
+      raise ConfigError(f"GRPOConfig.remat needs a jaxsys Decoder policy, got {type(policy).__name__}")
     # the update's graph: the same parameters, blocks rematerialised when config.remat
     self.train_gdef = (nnx.split(replace_config(policy, remat=True), nnx.Param, ...)[0]
                        if config.remat else self.gdef)
