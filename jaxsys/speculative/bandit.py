@@ -61,12 +61,22 @@ FASTRL_BUCKETS = tuple(range(1, 32)) + tuple(range(32, 128, 8)) + tuple(range(12
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   """Draft ``depth`` levels, expanding the ``topk`` best nodes per level; verify ``verify_tokens``
-  tree nodes (root included). ``topk == 1`` is a chain (``verify_tokens == depth + 1``)."""
+  tree nodes (root included). ``topk == 1`` is a chain (``verify_tokens == depth + 1``).
+
+  ``lookup > 0``: no drafter model; the chain is copied from the row's own history and its
+  reference tokens after the longest match of up to ``lookup`` tokens (``speculative.lookup``).
+  """
   depth: int
   topk: int
   verify_tokens: int
+  lookup: int = 0
 
   def __post_init__(self):
+    if self.lookup < 0:
+      raise ConfigError(f"lookup={self.lookup} must be >= 0 (0: the drafter model drafts)")
+    if self.lookup and (self.topk != 1 or self.verify_tokens != self.depth + 1):
+      raise ConfigError(f"a lookup strategy is a chain: topk={self.topk} must be 1 and "
+                        f"verify_tokens={self.verify_tokens} must be depth + 1 = {self.depth + 1}")
     if self.depth < 1:
       raise ConfigError(f"depth={self.depth} must be >= 1")
     if self.topk < 1:
@@ -86,11 +96,18 @@ class Strategy:
 
   @property
   def name(self) -> str:
+    if self.lookup:
+      return f"lookup(d={self.depth},n={self.lookup})"
     return f"{'chain' if self.is_chain else 'tree'}(d={self.depth},k={self.topk},v={self.verify_tokens})"
 
   @staticmethod
   def chain(depth: int) -> "Strategy":
     return Strategy(depth, 1, depth + 1)
+
+  @staticmethod
+  def lookup_chain(depth: int, ngram: int = 3) -> "Strategy":
+    """A chain of ``depth`` tokens copied after the longest match of up to ``ngram`` tokens."""
+    return Strategy(depth, 1, depth + 1, lookup=ngram)
 
 
 def fastrl_strategies() -> tuple[Strategy, ...]:

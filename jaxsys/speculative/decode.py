@@ -56,6 +56,7 @@ class DecodeState:
   n_out: Any            # int32 [b]
   done: Any             # bool [b]
   key: Any
+  ref: Any = None       # int32 [b, R] reference tokens for lookup drafting (-1 = none / separator)
 
   def replace(self, **kw) -> "DecodeState":
     return dataclasses.replace(self, **kw)
@@ -72,6 +73,7 @@ class DecodeConfig:
   max_topk: int = 1
   stop_tokens: tuple[int, ...] = ()
   sampling: smp.SamplingParams = smp.GREEDY
+  ref_len: int = 0  # R: reference tokens per row for lookup drafting (``speculative.lookup``)
 
 
 def _emit(state: DecodeState, tokens, n_new, cfg: DecodeConfig):
@@ -95,7 +97,7 @@ def init_state(model, drafter_cfg, prompts, lengths, cfg: DecodeConfig, key) -> 
       pend_n=jnp.zeros((b,), jnp.int32), seq=jnp.zeros((b, cfg.max_len), jnp.int32),
       feats=jnp.zeros((b, cfg.max_len, c.hidden_size), dt),
       out=jnp.zeros((b, cfg.max_new), jnp.int32), n_out=jnp.zeros((b,), jnp.int32),
-      done=jnp.zeros((b,), bool), key=key)
+      done=jnp.zeros((b,), bool), key=key, ref=jnp.full((b, cfg.ref_len), -1, jnp.int32))
 
 
 def prefill(model, state: DecodeState, prompts, lengths, cfg: DecodeConfig) -> DecodeState:

@@ -11,6 +11,10 @@ latency bound and verification of many draft tokens is almost free). TLT's engin
   rewarded by ``accepted tokens x batch / step time`` (tokens per second); with
   ``vanilla_arm=True`` plain decoding is one more arm, so the tail is not speculated where no
   strategy beats it (e.g. a small model on a CPU, where a round costs several vanilla steps);
+* drafts with the EAGLE drafter, or without a model for ``Strategy.lookup_chain`` arms
+  (``speculative.lookup``): chains copied from the row's own history and its reference tokens,
+  which are the ``references=`` given to ``generate`` and, with ``lookup_siblings``, the finished
+  responses to the same prompt (a GRPO group's siblings), added when the batch shrinks;
 * runs only ahead-of-time compiled executables from an ``ExecutablePool`` keyed by
   ``(step, strategy or verify_tokens, batch bucket)`` plus the static decode config (so engines
   can share one pool); verification is shared by every strategy with the same ``verify_tokens``.
@@ -37,6 +41,7 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.drafter import check_compatible
 from jaxsys.speculative import decode as dec
 from jaxsys.speculative import fused
+from jaxsys.speculative import lookup
 from jaxsys.decoding import core
 from jaxsys.decoding.core import bucket_of
 from jaxsys.speculative.bandit import BucketedBandit, Strategy
@@ -69,6 +74,11 @@ class RolloutConfig:
   # vanilla_arm=True: the bandit also has a "no speculation" arm (index len(strategies)), so the
   # long tail falls back to plain decoding on hardware/batch sizes where no strategy pays off.
   vanilla_arm: bool = False
+  # Lookup strategies (``Strategy.lookup_chain``): ``lookup_ref`` reference tokens per row (0: a
+  # row's own history only); ``lookup_siblings``: finished responses to an identical prompt join
+  # the references of the rows still running when the batch shrinks (the long tail's siblings).
+  lookup_ref: int = 0
+  lookup_siblings: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "strategies", tuple(self.strategies))
@@ -84,6 +94,17 @@ class RolloutConfig:
       raise ConfigError(f"batch_buckets={self.batch_buckets} must be positive")
     if not isinstance(self.sampling, SamplingParams):
       raise ConfigError(f"sampling={self.sampling!r} must be a SamplingParams")
+    if self.lookup_ref < 0:
+      raise ConfigError(f"lookup_ref={self.lookup_ref} must be >= 0")
+
+  @property
+  def needs_drafter(self) -> bool:
+    """Whether some strategy drafts with the drafter model (lookup strategies do not)."""
+    return any(not s.lookup for s in self.strategies)
+
+  @property
+  def uses_references(self) -> bool:
+    return self.lookup_ref > 0 and any(s.lookup for s in self.strategies)
 
   @property
   def max_depth(self) -> int:
@@ -97,7 +118,8 @@ class RolloutConfig:
   def decode_config(self) -> dec.DecodeConfig:
     return dec.DecodeConfig(max_len=self.max_len, max_new=self.max_new, max_depth=self.max_depth,
                             max_topk=max(s.topk for s in self.strategies),
-                            stop_tokens=self.stop_tokens, sampling=self.sampling)
+                            stop_tokens=self.stop_tokens, sampling=self.sampling,
+                            ref_len=self.lookup_ref if self.uses_references else 0)
 
 
 @dataclasses.dataclass
@@ -113,8 +135,9 @@ class RolloutEngine:
   """See the module docstring."""
 
   def __init__(self, model, drafter, config: RolloutConfig, *, pool: ExecutablePool | None = None):
-    if drafter is None and config.speculative:
-      raise ConfigError("speculative=True needs a drafter")
+    if drafter is None and config.speculative and config.needs_drafter:
+      raise ConfigError("speculative=True with drafter-model strategies needs a drafter "
+                        "(Strategy.lookup_chain strategies need none)")
     if drafter is not None:
       check_compatible(drafter, model)
     for s in config.strategies:
@@ -167,7 +190,7 @@ class RolloutEngine:
 
   def _exe(self, kind: str, b: int, strategy: Strategy | None = None):
     """The compiled executable for ``kind`` at batch bucket ``b`` (built on the first request)."""
-    if kind in ("draft", "sloop"):
+    if kind in ("draft", "sloop", "lloop"):
       key = (kind, strategy, b)
     elif kind == "verify":
       key = (kind, strategy.verify_tokens, b)
@@ -195,8 +218,15 @@ class RolloutEngine:
       return dec.jit_vanilla(dcfg).lower(self.gdef, self.tstate, st).compile()
     if kind == "sync":
       return dec.jit_sync().lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
+    if kind == "draft" and strategy.lookup:
+      vocab = self.model_config.vocab_size
+      return jax.jit(lambda st: lookup.lookup_draft(st, strategy, vocab)).lower(st).compile()
     if kind == "draft":
       return dec.jit_draft(strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
+    if kind == "verify" and strategy.lookup:
+      vocab = self.model_config.vocab_size
+      trees = jax.eval_shape(lambda s: lookup.lookup_draft(s, strategy, vocab)[0], st)
+      return dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
     if kind == "verify":
       trees = jax.eval_shape(lambda s: dec.draft(nnx.merge(self.gdef, self.tstate),
                                                  nnx.merge(self.dgdef, self.dstate), s, strategy)[0], st)
@@ -206,6 +236,11 @@ class RolloutEngine:
     if kind == "sloop":
       return fused.jit_spec_loop(dcfg, strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate,
                                                         st).compile()
+    if kind == "lloop":
+      return fused.jit_lookup_loop(dcfg, strategy).lower(self.gdef, self.tstate, st).compile()
+    if kind == "setref":  # new reference tokens for every row (lookup drafting)
+      ref = jax.ShapeDtypeStruct((b, dcfg.ref_len), jnp.int32)
+      return jax.jit(lambda st, ref: st.replace(ref=ref), donate_argnums=0).lower(st, ref).compile()
     if kind == "pad":  # marks padding rows done (an eager ``done | mask`` would compile mid-rollout)
       return jax.jit(_mark_padding).lower(st, jnp.int32(0)).compile()
     if kind.startswith("take"):  # shrink from bucket ``b`` to ``new_b``: a pool entry per pair
@@ -243,37 +278,51 @@ class RolloutEngine:
         self._exe("vloop", b)
         # The long tail runs on the ``tail`` buckets (``force_strategy`` speculates on any bucket:
         # measurements at a fixed batch warm those up themselves).
-        if spec and self.dstate is not None and b in tail:
+        if spec and b in tail:
           for s in self.config.strategies:
-            self._exe("sloop", b, s)
+            if s.lookup:
+              self._exe("lloop", b, s)
+            elif self.dstate is not None:
+              self._exe("sloop", b, s)
+        if self.config.uses_references:
+          self._exe("setref", b)
         continue
       self._exe("vanilla", b)
-      if spec and self.dstate is not None and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
-        self._exe("sync", b)
+      if self.config.uses_references:
+        self._exe("setref", b)
+      if spec and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
+        if self.dstate is not None and self.config.needs_drafter:
+          self._exe("sync", b)
         for s in self.config.strategies:
-          self._exe("draft", b, s)
-          self._exe("verify", b, s)
+          if s.lookup or self.dstate is not None:
+            self._exe("draft", b, s)
+            self._exe("verify", b, s)
 
   # ---- rollout ---------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
                on_long_tail: Callable[[], None] | None = None,
                force_strategy: Strategy | None = None,
-               speculative: bool | None = None) -> RolloutResult:
+               speculative: bool | None = None,
+               references: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Generates for every prompt; see the module docstring.
 
     ``on_long_tail`` is called once when speculation first switches on (e.g. to start drafter
     training on idle resources); ``force_strategy`` bypasses the bandit and speculates from the
     first step (for measurements at a fixed batch size); ``speculative=False`` runs this call
-    as the vanilla baseline (same executables and loop, no drafting).
+    as the vanilla baseline (same executables and loop, no drafting). ``references[i]``: token
+    sequences lookup strategies may copy from for prompt ``i`` (e.g. earlier responses to it);
+    they need ``RolloutConfig.lookup_ref > 0``, which bounds the tokens kept per row (the newest).
     """
     c = self.config
     if force_strategy is not None and force_strategy not in c.strategies:
       raise ConfigError(f"force_strategy {force_strategy.name} is not one of the engine's strategies "
                         "(RolloutConfig.strategies fixes the cache and acceptance sizes)")
     arrs = self._check_prompts(prompts)
+    user_refs = self._check_references(references, len(arrs))
     speculate = c.speculative if speculative is None else speculative
-    if speculate and self.dstate is None:
-      raise ConfigError("speculative decoding needs a drafter")
+    needs = c.needs_drafter if force_strategy is None else not force_strategy.lookup
+    if speculate and self.dstate is None and needs:
+      raise ConfigError("speculative decoding with drafter-model strategies needs a drafter")
     n = len(arrs)
     b = bucket_of(n, c.batch_buckets)
     toks, lens = core.pad_batch(arrs, b, c.max_prompt)
@@ -282,13 +331,17 @@ class RolloutEngine:
     # device_put, not jnp.asarray: the latter compiles a staging copy per new shape (mid-rollout).
     state = self._exe("prefill", b)(self.tstate, state, jax.device_put(toks), jax.device_put(lens))
     state = self._exe("pad", b)(state, jnp.int32(n))
+    refs = (lambda rows, results: self._references(rows, arrs, user_refs, results)) \
+        if c.uses_references else None
+    if refs is not None and user_refs is not None:
+      state = self._exe("setref", b)(state, jax.device_put(refs(rows, {})))
     results: dict[int, tuple] = {}
     stats = {"steps": 0, "spec_steps": 0, "vanilla_steps": 0, "accepted": [], "spec_batch": [],
              "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0}
     t_start = time.perf_counter()
     if c.fused:
       state, rows = self._run_fused(state, rows, results, n, stats, speculate, on_long_tail,
-                                    force_strategy)
+                                    force_strategy, refs)
       return self._finish(state, rows, results, n, stats, t_start, arrs)
     spec_on, synced, tail_called = False, False, False
     while True:
@@ -298,7 +351,7 @@ class RolloutEngine:
         break
       new_b = bucket_of(running, c.batch_buckets)
       if new_b < len(rows):  # shrink the batch: harvest finished rows, keep the running ones
-        state, rows = self._shrink(state, rows, done, new_b, results, n)
+        state, rows = self._shrink(state, rows, done, new_b, results, n, refs)
         stats["shrinks"] += 1
         continue
       want_spec = speculate and (force_strategy is not None or running < c.spec_threshold or
@@ -312,12 +365,19 @@ class RolloutEngine:
       t0 = time.perf_counter()
       arm = self.bandit.select(running) if spec_on and force_strategy is None else None
       vanilla_arm = arm == len(c.strategies)  # the bandit chose not to draft this step
+      strategy = None
       if spec_on and not vanilla_arm:
-        if not synced:
+        strategy = force_strategy if arm is None else c.strategies[arm]
+      has = None
+      if strategy is not None and strategy.lookup:  # no drafter; a vanilla step if nothing matches
+        trees, has = self._exe("draft", b, strategy)(state)
+        has = bool((np.asarray(has) & ~done).any())
+      if has or (strategy is not None and not strategy.lookup):
+        if has is None and not synced:
           state = self._exe("sync", b)(self.tstate, self.dstate, state)
           synced = True
-        strategy = force_strategy if arm is None else c.strategies[arm]
-        trees, state = self._exe("draft", b, strategy)(self.tstate, self.dstate, state)
+        if has is None:
+          trees, state = self._exe("draft", b, strategy)(self.tstate, self.dstate, state)
         state, n_acc = self._exe("verify", b, strategy)(self.tstate, state, trees)
         n_acc = np.asarray(n_acc)
         dt = time.perf_counter() - t0
@@ -330,19 +390,29 @@ class RolloutEngine:
         stats["accepted"].append(float(acc.mean()) if len(acc) else 0.0)
         stats["spec_batch"].append(running)
         stats["strategy"].append(strategy.name)
+        synced = synced and not strategy.lookup  # lookup rounds leave the drafter cache behind
       else:
         state = self._exe("vanilla", b)(self.tstate, state)
         state.done.block_until_ready()
         dt = time.perf_counter() - t0
         stats["vanilla_steps"] += 1
         stats["vanilla_seconds"] += dt
+        if strategy is not None:  # a lookup round without a match: counts as a round, 0 accepted
+          stats["lookup_plain_rounds"] = stats.get("lookup_plain_rounds", 0) + 1
+          stats["spec_batch"].append(running)
+          stats["strategy"].append(strategy.name)
+          stats["accepted"].append(0.0)
+          synced = False
+          if arm is not None:
+            self.bandit.update(running, arm, running / dt)
         if vanilla_arm:  # rewarded in tokens/s like the strategies; the drafter cache misses it
           self.bandit.update(running, arm, running / dt)
           stats["strategy"].append("vanilla")
           synced = False
     return self._finish(state, rows, results, n, stats, t_start, arrs)
 
-  def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy):
+  def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy,
+                 refs=None):
     """Two on-device phases (see ``RolloutConfig.fused``); fills ``stats`` like the step loop."""
     c = self.config
     if force_strategy is None:  # phase 1: full batch, vanilla, until the long tail starts
@@ -357,7 +427,7 @@ class RolloutEngine:
       return state, rows
     new_b = bucket_of(running, c.batch_buckets)
     if new_b < len(rows):  # the long tail runs on the smallest bucket holding its rows
-      state, rows = self._shrink(state, rows, done, new_b, results, n)
+      state, rows = self._shrink(state, rows, done, new_b, results, n, refs)
       stats["shrinks"] += 1
     t0 = time.perf_counter()
     arm = None
@@ -377,8 +447,12 @@ class RolloutEngine:
         self.bandit.update(running, arm, (int(np.asarray(state.n_out).sum()) - n0) / dt)
       return state, rows
     strategy = force_strategy if arm is None else c.strategies[arm]
-    state, rounds, acc, row_rounds = self._exe("sloop", len(rows), strategy)(
-        self.tstate, self.dstate, state)
+    if strategy.lookup:
+      state, rounds, acc, row_rounds, plain = self._exe("lloop", len(rows), strategy)(self.tstate, state)
+      stats["lookup_plain_rounds"] = stats.get("lookup_plain_rounds", 0) + int(plain)
+    else:
+      state, rounds, acc, row_rounds = self._exe("sloop", len(rows), strategy)(
+          self.tstate, self.dstate, state)
     rounds, acc, row_rounds = int(rounds), int(acc), int(row_rounds)
     dt = time.perf_counter() - t0
     if arm is not None:  # reward: tokens per second of the whole long-tail phase
@@ -390,14 +464,56 @@ class RolloutEngine:
     stats["strategy"].append(strategy.name)
     return state, rows
 
-  def _shrink(self, state, rows, done, new_b, results, n):
-    """Harvests finished rows and keeps the running ones in a batch of ``new_b`` rows."""
+  def _shrink(self, state, rows, done, new_b, results, n, refs=None):
+    """Harvests finished rows and keeps the running ones in a batch of ``new_b`` rows; ``refs``
+    (lookup drafting) rebuilds the kept rows' references, now with their finished siblings."""
     self._harvest(state, rows, done, results, n)
     keep = np.flatnonzero(~done)
     pad = np.full(new_b - len(keep), np.flatnonzero(done)[0], np.int64)
     idx = jax.device_put(np.concatenate([keep, pad]).astype(np.int32))
     state = self._exe(f"take{new_b}", len(rows))(state, idx, jnp.int32(len(keep)))
-    return state, np.concatenate([rows[keep], np.full(len(pad), -1)])
+    rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
+    if refs is not None and self.config.lookup_siblings:
+      state = self._exe("setref", new_b)(state, jax.device_put(refs(rows, results)))
+    return state, rows
+
+  def _references(self, rows, arrs, user_refs, results) -> np.ndarray:
+    """``int32 [len(rows), lookup_ref]``: per engine row, the prompt's ``references`` then the
+    responses of finished rows with an identical prompt (``lookup.build_references``)."""
+    c = self.config
+    out = np.full((len(rows), c.lookup_ref), -1, np.int32)
+    for i, p in enumerate(rows):
+      if not 0 <= p < len(arrs):
+        continue
+      seqs = list(user_refs[p]) if user_refs is not None else []
+      if c.lookup_siblings:
+        seqs += [results[q][0] for q in sorted(results)
+                 if q != p and np.array_equal(arrs[q], arrs[p])]
+      out[i] = lookup.build_references(seqs, c.lookup_ref)
+    return out
+
+  def _check_references(self, references, n):
+    """Validated ``references`` as lists of int32 arrays per prompt (None stays None)."""
+    if references is None:
+      return None
+    if not self.config.uses_references:
+      raise ConfigError("references= needs a lookup strategy (Strategy.lookup_chain) and "
+                        f"RolloutConfig.lookup_ref > 0 (got lookup_ref={self.config.lookup_ref})")
+    if len(references) != n:
+      raise InputError(f"references has {len(references)} entries for {n} prompts (one list per prompt)")
+    vocab = self.model_config.vocab_size
+    out = []
+    for i, seqs in enumerate(references):
+      row = []
+      for j, toks in enumerate(seqs):
+        a = np.asarray(toks)
+        if a.ndim != 1 or (a.size and (not np.issubdtype(a.dtype, np.integer) or a.min() < 0
+                                       or a.max() >= vocab)):
+          raise InputError(f"references[{i}][{j}] must be a 1-D sequence of token ids in "
+                           f"[0, {vocab})")
+        row.append(a.astype(np.int32))
+      out.append(row)
+    return out
 
   def _finish(self, state, rows, results, n, stats, t_start, arrs) -> RolloutResult:
     self._harvest(state, rows, np.asarray(state.done), results, n, final=True)

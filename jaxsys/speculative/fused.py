@@ -9,6 +9,8 @@ the engine shrinks the batch) the long-tail loop:
 * ``vanilla_loop``: vanilla steps while ``running >= min_running`` (``min_running=1``: to the end).
 * ``spec_loop``: drafter sync, then ``draft`` + ``verify`` rounds of one strategy until every row
   is done, counting verify rounds and accepted tokens on device.
+* ``lookup_loop``: the same rounds drafted by ``lookup.lookup_draft`` (no drafter model); a round
+  where no running row found a match is one vanilla step instead of a verify.
 
 Both loops are the decoding core's ``while_running`` over the same step functions as the per-step engine (``decode.vanilla_step``,
 ``decode.draft``, ``decode.verify``), so outputs are identical; the vanilla baseline is compiled
@@ -23,9 +25,11 @@ from flax import nnx
 
 from jaxsys.decoding import core
 from jaxsys.speculative import decode as dec
+from jaxsys.speculative import lookup as lookup_lib
 from jaxsys.speculative.bandit import Strategy
 
-__all__ = ["jit_spec_loop", "jit_vanilla_loop", "spec_loop", "vanilla_loop"]
+__all__ = ["jit_lookup_loop", "jit_spec_loop", "jit_vanilla_loop", "lookup_loop", "spec_loop",
+           "vanilla_loop"]
 
 
 def _running(state: dec.DecodeState):
@@ -63,6 +67,34 @@ def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: d
   return state, rounds, acc, rows
 
 
+def lookup_loop(model, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig):
+  """Lookup-drafted rounds until every row is done (``strategy.lookup > 0``).
+
+  Returns ``(state, rounds, accepted, row_rounds, plain_rounds)``: as ``spec_loop``, plus the
+  rounds run as a vanilla step because no running row had a draft (they count in ``rounds`` and
+  ``row_rounds`` with 0 accepted tokens).
+  """
+  vocab = model.config.vocab_size
+
+  def body(carry):
+    s, acc, rows, plain = carry
+    trees, has = lookup_lib.lookup_draft(s, strategy, vocab)
+    use = (has & ~s.done).any()
+
+    def vanilla(s):  # n_acc from the rows running before the step, as ``verify`` reports it
+      return dec.vanilla_step(model, s, cfg), jnp.where(s.done, -1, 0).astype(jnp.int32)
+
+    s, n_acc = jax.lax.cond(use, lambda s: dec.verify(model, s, trees, cfg), vanilla, s)
+    live = n_acc >= 0
+    return (s, acc + jnp.where(live, n_acc, 0).sum(), rows + live.sum(),
+            plain + (~use).astype(jnp.int32))
+
+  zero = jnp.int32(0)
+  (state, acc, rows, plain), rounds = core.while_running(
+      body, (state, zero, zero, zero), running=lambda c: _running(c[0]), max_steps=cfg.max_new)
+  return state, rounds, acc, rows, plain
+
+
 # ---- jitted entry points (modules split into graphdef + state; the state is donated) ----------
 
 def jit_vanilla_loop(cfg: dec.DecodeConfig):
@@ -75,3 +107,9 @@ def jit_spec_loop(cfg: dec.DecodeConfig, strategy: Strategy):
   def f(gdef, tstate, dgdef, dstate, state):
     return spec_loop(nnx.merge(gdef, tstate), nnx.merge(dgdef, dstate), state, strategy, cfg)
   return jax.jit(f, static_argnums=(0, 2), donate_argnums=4)
+
+
+def jit_lookup_loop(cfg: dec.DecodeConfig, strategy: Strategy):
+  def f(gdef, tstate, state):
+    return lookup_loop(nnx.merge(gdef, tstate), state, strategy, cfg)
+  return jax.jit(f, static_argnums=0, donate_argnums=2)
