@@ -126,7 +126,9 @@ def vanilla_step(model, state: DecodeState, cfg: DecodeConfig) -> DecodeState:
   key, sub = jax.random.split(state.key)
   nxt = smp.sample(sub, logits[:, 0], cfg.sampling)
   active = ~state.done
-  cache = fwd.commit(cache, jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32), active)
+  # The root's row is already at L: keeping it is a length update. ``fwd.commit``'s row move
+  # (a scatter) cost ~2 ms of a ~20 ms SmolLM2 step at batch 1 with a 412-row cache on CPU.
+  cache = cache.replace(lengths=L + active.astype(L.dtype))
   rows = jnp.arange(b)
   seq = state.seq.at[rows, jnp.where(active, L + 1, cfg.max_len)].set(nxt, mode="drop")
   feats = state.feats.at[rows, jnp.where(active, L, cfg.max_len)].set(h[:, 0], mode="drop")

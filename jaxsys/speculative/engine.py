@@ -327,6 +327,7 @@ class RolloutEngine:
     b = bucket_of(n, c.batch_buckets)
     toks, lens = core.pad_batch(arrs, b, c.max_prompt)
     rows = np.arange(b)  # engine row -> prompt index (>= n: padding)
+    t_prefill = time.perf_counter()
     state = self._exe("init", b)(np.uint32(seed))
     # device_put, not jnp.asarray: the latter compiles a staging copy per new shape (mid-rollout).
     state = self._exe("prefill", b)(self.tstate, state, jax.device_put(toks), jax.device_put(lens))
@@ -336,8 +337,10 @@ class RolloutEngine:
     if refs is not None and user_refs is not None:
       state = self._exe("setref", b)(state, jax.device_put(refs(rows, {})))
     results: dict[int, tuple] = {}
+    state.root.block_until_ready()  # so that ``seconds`` is decoding only
     stats = {"steps": 0, "spec_steps": 0, "vanilla_steps": 0, "accepted": [], "spec_batch": [],
-             "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0}
+             "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0,
+             "prefill_seconds": time.perf_counter() - t_prefill}
     t_start = time.perf_counter()
     if c.fused:
       state, rows = self._run_fused(state, rows, results, n, stats, speculate, on_long_tail,
