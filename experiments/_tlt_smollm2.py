@@ -11,6 +11,11 @@ instructions). Measures:
    bandwidth (``jaxsys.core.bench.read_bandwidth``) and llama.cpp when ``llama_cpp`` imports;
    the 5-token verify / 1-token forward ratio at batch 1 (``speculative.forward.target_tree_forward``
    over a 256-token cache); the longest rollout response relative to the median;
+1b. lookup drafting (``experiments._tlt_lookup``, part ``lookup``): chains copied from the row's
+   own history and from 3 sibling responses, no drafter model, against both vanilla decodes at
+   batch 1-8, and its greedy losslessness; ``grpo_lookup``: GRPO with the lookup-drafted long
+   tail vs the vanilla rollout on a heavier-tailed task mix (sizes to 96, 320 new tokens), with
+   the rollout share f of that mix;
 2. an EAGLE drafter warmed up on the policy's own sampled rollouts (``online.DrafterTrainer``,
    CE over a reduced draft vocabulary of the K most frequent rollout tokens; FR-Spec / EAGLE-3),
    saved under the run dir;
@@ -56,10 +61,14 @@ def _config() -> dict:
               items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0,
               # GRPO (part "grpo"): 4 prompts x G=4 per step, 10 steps of each run
               grpo_steps=10, prompts_per_step=4, group_size=4, grpo_lr=1e-6, length_bucket=128,
-              spot_steps=16, online_buffer=6, online_lr=5e-4, n_eval=4)
+              spot_steps=16, online_buffer=6, online_lr=5e-4, n_eval=4,
+              # lookup drafting (part "lookup", ``experiments._tlt_lookup``): no drafter model
+              lookup_depth=4, lookup_ngram=3, lookup_ref=512, lookup_sets=3,
+              # GRPO with the lookup-drafted tail (part "grpo_lookup"): a heavier-tailed task mix
+              heavy_items=(2, 96), heavy_max_new=320, lookup_grpo_steps=6)
 
 
-PARTS = ("regime", "speedup", "lossless", "grpo")
+PARTS = ("regime", "lookup", "grpo_lookup", "speedup", "lossless", "grpo")
 
 
 def _prompts(sampler, n: int, rng, *, long_only: bool = False) -> list[list[int]]:
@@ -99,8 +108,8 @@ def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
 
 
 def run(out_dir: str, parts=None) -> list[Row]:
-  """``parts``: names from ``PARTS`` (default all; the drafter warm-up runs for every part but
-  ``regime`` alone); results go to ``tlt`` or ``tlt_<parts>``."""
+  """``parts``: names from ``PARTS`` (default all; the drafter warm-up runs unless the parts are
+  among ``regime``, ``lookup`` and ``grpo_lookup``); results go to ``tlt`` or ``tlt_<parts>``."""
   import jax
   from flax import nnx
 
@@ -164,6 +173,24 @@ def run(out_dir: str, parts=None) -> list[Row]:
                     note=f"{1e3 * t1:.1f} ms vs {1e3 * t5:.1f} ms after {cfg['verify_cache']} cached tokens"))
     print(f"[tlt/smollm2] regime: step {1e3 * step_s:.1f} ms, bound {1e3 * bound_s:.1f} ms, "
           f"verify 5/1 {t5 / t1:.2f}", flush=True)
+
+  # ---- 1b) lookup drafting (no drafter model, so before the warm-up) --------------------------
+  lookup_curve = None
+  if "lookup" in parts:
+    from experiments import _tlt_lookup
+    lrows, lookup_curve = _tlt_lookup.run(
+        model, sampler, stops, cfg, lambda n, r: _prompts(sampler, n, r, long_only=True), out)
+    rows += lrows
+  lookup_hist = None
+  if "grpo_lookup" in parts:
+    from experiments import _tlt_lookup
+    lrows, lookup_hist = _tlt_lookup.grpo(model, tok, stops, cfg, out)
+    rows += lrows
+  if not set(parts) - {"regime", "lookup", "grpo_lookup"}:  # nothing below needs the drafter
+    write_result(name, rows, config=dict(cfg, model=MODEL, parts=list(parts),
+                                         seconds=time.perf_counter() - t_start),
+                 quick=False, out_dir=out_dir, extra={"lookup": lookup_curve, "grpo_lookup": lookup_hist})
+    return rows
 
   # ---- 2) rollouts and drafter warm-up ------------------------------------------------------
   sampling = SamplingParams(cfg["temperature"])
@@ -311,7 +338,8 @@ def run(out_dir: str, parts=None) -> list[Row]:
                 draft_coverage=coverage, lengths=lengths.tolist(), compilations=pool.compilations,
                 seconds=time.perf_counter() - t_start, machine_note="2-core CPU host", **summary)
   write_result(name, rows, config=config, quick=False, out_dir=out_dir,
-               extra={"curves": curve, "warm": log, "grpo": hist})
+               extra={"curves": curve, "warm": log, "grpo": hist, "lookup": lookup_curve,
+                      "grpo_lookup": lookup_hist})
   return rows
 
 
