@@ -22,14 +22,32 @@ import numpy as np
 
 from jaxsys.core.results import Row
 
-__all__ = ["compare", "plot_rewards", "rows"]
+__all__ = ["compare", "interleave", "plot_rewards", "rows"]
+
+
+def interleave(runs: dict, steps: int, after_step=None) -> dict:
+  """``steps`` GRPO steps of every trainer in ``runs`` (name -> object with ``step()``), one of
+  each in turn (same machine load), compiles inside each step counted. ``after_step(step, hist)``
+  runs after each round. Returns ``{name: [step metrics]}``."""
+  from jaxsys.core.bench import compile_count
+  hist = {name: [] for name in runs}
+  for step in range(steps):
+    for name, tr in runs.items():
+      n0 = compile_count()
+      m = tr.step()
+      m.pop("responses")
+      m["compilations"] = compile_count() - n0
+      hist[name].append(m)
+    if after_step is not None:
+      after_step(step, hist)
+  return hist
 
 
 def compare(make_tlt, policy, drafter0, rollout_cfg, eval_prompts, strategy, pool, steps: int,
             tag: str = "tlt") -> dict:
   """Runs the interleaved comparison; returns ``{"tlt": [...], "vanilla": [...], "acc_frozen":
   [...], "acc_online": [...]}`` (per-step metrics of ``GRPOTrainer.step`` and accepted lengths)."""
-  from jaxsys.core.bench import compile_count, watch_compiles
+  from jaxsys.core.bench import watch_compiles
   from jaxsys.speculative.engine import RolloutEngine
 
   tlt, van = make_tlt(True), make_tlt(False)
@@ -40,29 +58,25 @@ def compare(make_tlt, policy, drafter0, rollout_cfg, eval_prompts, strategy, poo
   watch_compiles()
   frozen_eval = RolloutEngine(policy, drafter0, rollout_cfg, pool=pool)
   online_eval = RolloutEngine(policy, drafter0, rollout_cfg, pool=pool)
-  hist = {"tlt": [], "vanilla": [], "acc_frozen": [], "acc_online": []}
-  for step in range(steps):
-    for name, tr in (("vanilla", van), ("tlt", tlt)):  # interleaved: same machine load
-      n0 = compile_count()
-      m = tr.step()
-      m.pop("responses")
-      m["compilations"] = compile_count() - n0
-      hist[name].append(m)
+  acc = {"acc_frozen": [], "acc_online": []}
+
+  def after_step(step, hist):
     frozen_eval.set_weights(tlt.trainer.policy)
     online_eval.set_weights(tlt.trainer.policy)
     online_eval.set_drafter(tlt.engine.dstate)
     for key, eng in (("acc_frozen", frozen_eval), ("acc_online", online_eval)):
       r = eng.generate(eval_prompts, seed=step, force_strategy=strategy)
-      hist[key].append(r.stats["mean_accepted"] + 1)
+      acc[key].append(r.stats["mean_accepted"] + 1)
     v, t = hist["vanilla"][-1], hist["tlt"][-1]
     print(f"[{tag}] grpo step {step}: vanilla {v['step_seconds']:.2f}s (cpu {v['step_cpu_seconds']:.2f}, "
           f"rollout {v['rollout_seconds']:.2f}) reward {v['reward_mean']:.3f} len {v['len_mean']:.1f}/"
           f"{v['len_max']} | tlt {t['step_seconds']:.2f}s (cpu {t['step_cpu_seconds']:.2f}, rollout "
           f"{t['rollout_seconds']:.2f}) reward {t['reward_mean']:.3f} acc {t['mean_accepted']:.2f} "
           f"spec rounds {t['spec_steps']} drafter {t['drafter_seconds']:.2f}s | compiles "
-          f"{v['compilations']}/{t['compilations']} | eval acc frozen {hist['acc_frozen'][-1]:.2f} "
-          f"online {hist['acc_online'][-1]:.2f}", flush=True)
-  return hist
+          f"{v['compilations']}/{t['compilations']} | eval acc frozen {acc['acc_frozen'][-1]:.2f} "
+          f"online {acc['acc_online'][-1]:.2f}", flush=True)
+
+  return dict(interleave({"vanilla": van, "tlt": tlt}, steps, after_step), **acc)
 
 
 def _mean(hist, run: str, key: str, skip: int) -> float:
@@ -125,9 +139,11 @@ def rows(hist: dict, spot_steps: int, decode_step_ms: float | None = None,
   return out, summary
 
 
-def plot_rewards(ax, hist: dict) -> None:
-  """Mean reward per GRPO step of both runs, overlaid."""
-  steps = np.arange(1, len(hist["tlt"]) + 1)
-  ax.plot(steps, [m["reward_mean"] for m in hist["vanilla"]], "o-", label="vanilla rollout")
-  ax.plot(steps, [m["reward_mean"] for m in hist["tlt"]], "s--", label="TLT rollout")
-  ax.set(xlabel="GRPO step", ylabel="mean reward", title="learning is unchanged")
+def plot_rewards(ax, hist: dict, key: str = "reward_mean", ours: str = "tlt",
+                 label: str = "TLT rollout", ylabel: str = "mean reward",
+                 title: str = "learning is unchanged") -> None:
+  """``key`` (default the mean reward) per GRPO step of the vanilla run and ``ours``, overlaid."""
+  steps = np.arange(1, len(hist[ours]) + 1)
+  ax.plot(steps, [m[key] for m in hist["vanilla"]], "o-", label="vanilla rollout")
+  ax.plot(steps, [m[key] for m in hist[ours]], "s--", label=label)
+  ax.set(xlabel="GRPO step", ylabel=ylabel, title=title)

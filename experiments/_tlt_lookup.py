@@ -134,14 +134,17 @@ def grpo(model, tok, stops, cfg, out=None) -> tuple[list[Row], dict]:
   """
   from flax import nnx
 
-  from jaxsys.core.bench import compile_count, watch_compiles
+  from experiments import _tlt_grpo
+  from jaxsys.core.bench import watch_compiles
   from jaxsys.decoding.sampling import SamplingParams
   from jaxsys.rl import grpo as grpo_lib
   from jaxsys.rl.chat_tasks import ChatTaskSampler
   from jaxsys.speculative.bandit import Strategy
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
+  from jaxsys.speculative.pool import ExecutablePool
 
   sampler = ChatTaskSampler(tok, items=tuple(cfg["heavy_items"]))
+  pool = ExecutablePool(max_entries=256)  # both engines share every executable but the tail loop
   look = Strategy.lookup_chain(cfg["lookup_depth"], cfg["lookup_ngram"])
   n = cfg["prompts_per_step"] * cfg["group_size"]
   rcfg = dict(strategies=(look,), max_new=cfg["heavy_max_new"], max_prompt=sampler.max_prompt,
@@ -154,27 +157,23 @@ def grpo(model, tok, stops, cfg, out=None) -> tuple[list[Row], dict]:
   trainers = {}
   for name, spec in (("vanilla", False), ("lookup", True)):
     policy = nnx.merge(*nnx.split(model))  # each run its own copy, same initial weights
-    eng = RolloutEngine(policy, None, RolloutConfig(**rcfg, speculative=spec))
+    eng = RolloutEngine(policy, None, RolloutConfig(**rcfg, speculative=spec), pool=pool)
     eng.precompile()
     tr = grpo_lib.GRPOTrainer(policy, eng, sampler, gcfg, reward_fn=sampler.reward_fn,
                               pad_id=sampler.pad_id)
     tr.precompile()
     trainers[name] = tr
   watch_compiles()
-  hist = {"vanilla": [], "lookup": []}
-  for step in range(cfg["lookup_grpo_steps"]):
-    for name, tr in trainers.items():  # interleaved: same machine load
-      n0 = compile_count()
-      m = tr.step()
-      m.pop("responses")
-      m["compilations"] = compile_count() - n0
-      hist[name].append(m)
+
+  def log(step, hist):
     v, t = hist["vanilla"][-1], hist["lookup"][-1]
     print(f"[tlt/smollm2] grpo_lookup step {step}: vanilla {v['step_seconds']:.1f}s (rollout "
           f"{v['rollout_seconds']:.1f}, len {v['len_mean']:.0f}/{v['len_max']}) reward "
           f"{v['reward_mean']:.3f} | lookup {t['step_seconds']:.1f}s (rollout {t['rollout_seconds']:.1f}, "
           f"len {t['len_mean']:.0f}/{t['len_max']}, {t['mean_accepted'] + 1:.2f} tokens/round) reward "
           f"{t['reward_mean']:.3f} | compiles {v['compilations']}/{t['compilations']}", flush=True)
+
+  hist = _tlt_grpo.interleave(trainers, cfg["lookup_grpo_steps"], log)
   skip = 1 if len(hist["vanilla"]) > 1 else 0
   mean = lambda run, key: float(np.mean([m[key] for m in hist[run][skip:]]))  # noqa: E731
   v_step, t_step = mean("vanilla", "step_seconds"), mean("lookup", "step_seconds")
@@ -207,12 +206,10 @@ def grpo(model, tok, stops, cfg, out=None) -> tuple[list[Row], dict]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    x = np.arange(1, len(hist["vanilla"]) + 1)
-    for name, style in (("vanilla", "o-"), ("lookup", "s--")):
-      ax[0].plot(x, [m["reward_mean"] for m in hist[name]], style, label=f"{name} rollout")
-      ax[1].plot(x, [m["step_seconds"] for m in hist[name]], style, label=f"{name} rollout")
-    ax[0].set(xlabel="GRPO step", ylabel="mean reward", title="rewards (same seeds)")
-    ax[1].set(xlabel="GRPO step", ylabel="step seconds", title="step time (step 1 compiles)")
+    _tlt_grpo.plot_rewards(ax[0], hist, ours="lookup", label="lookup-drafted tail",
+                           title="rewards (same seeds)")
+    _tlt_grpo.plot_rewards(ax[1], hist, "step_seconds", ours="lookup", label="lookup-drafted tail",
+                           ylabel="step seconds", title="step time (step 1 compiles)")
     for a in ax:
       a.legend()
     fig.tight_layout()

@@ -14,7 +14,7 @@ instructions). Measures:
 1b. lookup drafting (``experiments._tlt_lookup``, part ``lookup``): chains copied from the row's
    own history and from 3 sibling responses, no drafter model, against both vanilla decodes at
    batch 1-8, and its greedy losslessness; ``grpo_lookup``: GRPO with the lookup-drafted long
-   tail vs the vanilla rollout on a heavier-tailed task mix (sizes to 96, 320 new tokens), with
+   tail vs the vanilla rollout on a heavier-tailed task mix (sizes to 64, 256 new tokens), with
    the rollout share f of that mix;
 2. an EAGLE drafter warmed up on the policy's own sampled rollouts (``online.DrafterTrainer``,
    CE over a reduced draft vocabulary of the K most frequent rollout tokens; FR-Spec / EAGLE-3),
@@ -63,9 +63,9 @@ def _config() -> dict:
               grpo_steps=10, prompts_per_step=4, group_size=4, grpo_lr=1e-6, length_bucket=128,
               spot_steps=16, online_buffer=6, online_lr=5e-4, n_eval=4,
               # lookup drafting (part "lookup", ``experiments._tlt_lookup``): no drafter model
-              lookup_depth=4, lookup_ngram=3, lookup_ref=512, lookup_sets=3,
+              lookup_depth=4, lookup_ngram=3, lookup_ref=512, lookup_sets=5,
               # GRPO with the lookup-drafted tail (part "grpo_lookup"): a heavier-tailed task mix
-              heavy_items=(2, 96), heavy_max_new=320, lookup_grpo_steps=6)
+              heavy_items=(2, 64), heavy_max_new=256, lookup_grpo_steps=6)
 
 
 PARTS = ("regime", "lookup", "grpo_lookup", "speedup", "lossless", "grpo")

@@ -8,6 +8,8 @@ core's (``jaxsys.decoding.sampling``); the target runs through ``Decoder.forward
 * ``acceptance``: lossless greedy / rejection-sampling acceptance over siblings (pure functions).
 * ``forward``, ``decode``: tree-masked target/drafter passes over a contiguous KV cache,
   commit/rollback, and the prefill / vanilla / draft / verify steps.
+* ``lookup``: drafts copied from a row's history and reference tokens (``Strategy.lookup_chain``;
+  no drafter model), e.g. the finished responses of its GRPO group.
 * ``bandit``: ``Strategy`` and the bucketed epsilon-greedy ``BucketedBandit``.
   Also UCB1, median values and fastrl's BEG mode; ``BucketedBandit.fastrl()``, ``fastrl_strategies``.
 * ``pool``: ``ExecutablePool`` of ahead-of-time compiled executables; persistent compile cache.
@@ -24,6 +26,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "fastrl_strategies": "bandit",
     "ExecutablePool": "pool", "enable_persistent_cache": "pool",
     "RolloutEngine": "engine", "RolloutConfig": "engine",
+    "lookup_draft": "lookup", "build_references": "lookup",
     "DrafterBuffer": "online", "DrafterTrainer": "online", "SpotTrainer": "online",
     "save_drafter": "online", "load_drafter": "online",
 })
