@@ -175,15 +175,14 @@ def run(out_dir: str, parts=None) -> list[Row]:
           f"verify 5/1 {t5 / t1:.2f}", flush=True)
 
   # ---- 1b) lookup drafting (no drafter model, so before the warm-up) --------------------------
+  from experiments import _tlt_lookup
   lookup_curve = None
   if "lookup" in parts:
-    from experiments import _tlt_lookup
     lrows, lookup_curve = _tlt_lookup.run(
         model, sampler, stops, cfg, lambda n, r: _prompts(sampler, n, r, long_only=True), out)
     rows += lrows
   lookup_hist = None
   if "grpo_lookup" in parts:
-    from experiments import _tlt_lookup
     lrows, lookup_hist = _tlt_lookup.grpo(model, tok, stops, cfg, out)
     rows += lrows
   if not set(parts) - {"regime", "lookup", "grpo_lookup"}:  # nothing below needs the drafter

@@ -56,7 +56,7 @@ class DecodeState:
   n_out: Any            # int32 [b]
   done: Any             # bool [b]
   key: Any
-  ref: Any = None       # int32 [b, R] reference tokens for lookup drafting (-1 = none / separator)
+  ref: Any              # int32 [b, R] reference tokens for lookup drafting (-1 = none / separator)
 
   def replace(self, **kw) -> "DecodeState":
     return dataclasses.replace(self, **kw)

@@ -332,8 +332,9 @@ class RolloutEngine:
     # device_put, not jnp.asarray: the latter compiles a staging copy per new shape (mid-rollout).
     state = self._exe("prefill", b)(self.tstate, state, jax.device_put(toks), jax.device_put(lens))
     state = self._exe("pad", b)(state, jnp.int32(n))
+    # Reference tokens serve lookup drafting only: a vanilla call skips building them.
     refs = (lambda rows, results: self._references(rows, arrs, user_refs, results)) \
-        if c.uses_references else None
+        if c.uses_references and speculate else None
     if refs is not None and user_refs is not None:
       state = self._exe("setref", b)(state, jax.device_put(refs(rows, {})))
     results: dict[int, tuple] = {}

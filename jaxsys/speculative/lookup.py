@@ -19,7 +19,7 @@ Per row and round (all on device, static shapes):
   (the row's own history after the references, later siblings after earlier ones); rows whose best
   match is shorter than ``MIN_MATCH`` have no draft.
 
-``spec_loop`` (``fused.py``) verifies a round only when some running row has a draft, and runs a
+``lookup_loop`` (``fused.py``) verifies a round only when some running row has a draft, and runs a
 plain vanilla step otherwise, so text with nothing to copy costs vanilla time, not a verify of
 ``depth + 1`` tokens per emitted token.
 

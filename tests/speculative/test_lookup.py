@@ -56,8 +56,8 @@ def test_lookup_draft_matches_python_twin(ngram, depth):
 
 
 def test_lookup_prefers_the_longest_then_the_latest_match():
-  # own history: 7 1 2 | 9 1 2 3 | ... root "2" after "1": matches "1 2" at two places; the
-  # reference holds "0 1 2" -> "4 4", a 3-token match, which wins over the later 2-token ones.
+  # The text ends "0 1 2" (root 2 at 11). "0 1 2" also occurs at 0..2 of the row's own history
+  # (then "9 5") and in the reference (then "4 4"); "1 2" alone also at 5..6 (then "3 8").
   seq = np.array([[0, 1, 2, 9, 5, 1, 2, 3, 8, 0, 1, 2, 0, 0]], np.int32)
   L = np.array([11], np.int32)
   state = SimpleNamespace(seq=jnp.asarray(seq), root=jnp.asarray(seq[:, 11]),
