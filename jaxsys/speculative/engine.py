@@ -68,9 +68,13 @@ class RolloutConfig:
   compilation_cache_dir: str | None = None
   seed: int = 0
   # fused=True: each phase of a rollout is one on-device while_loop (``fused.py``): vanilla on
-  # the full batch until fewer than spec_threshold rows run, then one shrink and the long tail
-  # (speculative with one bandit-chosen strategy, or vanilla). No Python between decode steps.
+  # the full batch until fewer than spec_threshold rows run, then a shrink and the long tail
+  # (speculative with a bandit-chosen strategy, or vanilla). No Python between decode steps.
   fused: bool = False
+  # shrink_tail=True (fused): the long tail shrinks again whenever its running rows fit a smaller
+  # bucket, one loop per bucket (the bandit picks each loop's strategy for its batch size);
+  # False: one shrink, and the tail ends in the bucket it started in.
+  shrink_tail: bool = True
   # vanilla_arm=True: the bandit also has a "no speculation" arm (index len(strategies)), so the
   # long tail falls back to plain decoding on hardware/batch sizes where no strategy pays off.
   vanilla_arm: bool = False
@@ -235,9 +239,9 @@ class RolloutEngine:
       return fused.jit_vanilla_loop(dcfg).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
     if kind == "sloop":
       return fused.jit_spec_loop(dcfg, strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate,
-                                                        st).compile()
+                                                        st, jnp.int32(1), jnp.bool_(True)).compile()
     if kind == "lloop":
-      return fused.jit_lookup_loop(dcfg, strategy).lower(self.gdef, self.tstate, st).compile()
+      return fused.jit_lookup_loop(dcfg, strategy).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
     if kind == "setref":  # new reference tokens for every row (lookup drafting)
       ref = jax.ShapeDtypeStruct((b, dcfg.ref_len), jnp.int32)
       return jax.jit(lambda st, ref: st.replace(ref=ref), donate_argnums=0).lower(st, ref).compile()
@@ -255,8 +259,8 @@ class RolloutEngine:
     return {bucket_of(r, c.batch_buckets) for r in range(1, max(c.spec_threshold, 2))}
 
   def _shrink_targets(self, b: int) -> list[int]:
-    """Buckets a batch of bucket ``b`` can shrink to. Fused: one shrink, into a long-tail
-    bucket; per-step: any smaller bucket."""
+    """Buckets a batch of bucket ``b`` can shrink to. Fused: a long-tail bucket (from the full
+    batch, then from tail bucket to tail bucket); per-step: any smaller bucket."""
     if not self.config.fused:
       return [nb for nb in self.config.batch_buckets if nb < b]
     return sorted(nb for nb in self._tail_buckets() if nb < b)
@@ -417,7 +421,7 @@ class RolloutEngine:
 
   def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy,
                  refs=None):
-    """Two on-device phases (see ``RolloutConfig.fused``); fills ``stats`` like the step loop."""
+    """On-device phases (see ``RolloutConfig.fused``); fills ``stats`` like the step loop."""
     c = self.config
     if force_strategy is None:  # phase 1: full batch, vanilla, until the long tail starts
       t0 = time.perf_counter()
@@ -425,48 +429,58 @@ class RolloutEngine:
       state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(thr))
       stats["vanilla_steps"] += int(steps)  # int(): waits for the loop
       stats["vanilla_seconds"] += time.perf_counter() - t0
-    done = np.asarray(state.done)
-    running = int((~done).sum())
-    if running == 0:
-      return state, rows
-    new_b = bucket_of(running, c.batch_buckets)
-    if new_b < len(rows):  # the long tail runs on the smallest bucket holding its rows
-      state, rows = self._shrink(state, rows, done, new_b, results, n, refs)
-      stats["shrinks"] += 1
-    t0 = time.perf_counter()
-    arm = None
-    if speculate:
-      if on_long_tail is not None:
-        on_long_tail()
-      arm = None if force_strategy is not None else self.bandit.select(running)
-    vanilla_arm = arm == len(c.strategies)  # the bandit chose not to draft the tail
-    if not speculate or vanilla_arm:
-      n0 = int(np.asarray(state.n_out).sum()) if vanilla_arm else 0
-      state, steps = self._exe("vloop", len(rows))(self.tstate, state, jnp.int32(1))
-      stats["vanilla_steps"] += int(steps)
+    tail_started, synced = False, False
+    while True:  # the long tail: one loop per bucket, each on the smallest bucket holding its rows
+      done = np.asarray(state.done)
+      running = int((~done).sum())
+      if running == 0:
+        return state, rows
+      new_b = bucket_of(running, c.batch_buckets)
+      if new_b < len(rows):
+        state, rows = self._shrink(state, rows, done, new_b, results, n, refs)
+        stats["shrinks"] += 1
+      b = len(rows)
+      smaller = [x for x in c.batch_buckets if x < b]
+      # the loop runs while its rows need this bucket, i.e. until they fit the next smaller one
+      min_running = jnp.int32(smaller[-1] + 1 if smaller and c.shrink_tail else 1)
+      t0 = time.perf_counter()
+      arm = None
+      if speculate:
+        if on_long_tail is not None and not tail_started:
+          on_long_tail()
+        arm = None if force_strategy is not None else self.bandit.select(running)
+      tail_started = True
+      vanilla_arm = arm == len(c.strategies)  # the bandit chose not to draft this loop
+      if not speculate or vanilla_arm:
+        n0 = int(np.asarray(state.n_out).sum()) if vanilla_arm else 0
+        state, steps = self._exe("vloop", b)(self.tstate, state, min_running)
+        stats["vanilla_steps"] += int(steps)
+        dt = time.perf_counter() - t0
+        stats["vanilla_seconds"] += dt
+        if vanilla_arm:  # rewarded in tokens/s, like the strategies
+          stats["strategy"].append("vanilla")
+          self.bandit.update(running, arm, (int(np.asarray(state.n_out).sum()) - n0) / dt)
+        synced = False  # the drafter's cache misses these tokens
+        continue
+      strategy = force_strategy if arm is None else c.strategies[arm]
+      if strategy.lookup:
+        state, rounds, acc, row_rounds, plain = self._exe("lloop", b, strategy)(
+            self.tstate, state, min_running)
+        stats["lookup_plain_rounds"] = stats.get("lookup_plain_rounds", 0) + int(plain)
+        synced = False
+      else:  # drafter sync only when an earlier loop left the drafter's cache behind
+        state, rounds, acc, row_rounds = self._exe("sloop", b, strategy)(
+            self.tstate, self.dstate, state, min_running, jnp.bool_(not synced))
+        synced = True
+      rounds, acc, row_rounds = int(rounds), int(acc), int(row_rounds)
       dt = time.perf_counter() - t0
-      stats["vanilla_seconds"] += dt
-      if vanilla_arm:  # rewarded in tokens/s, like the strategies
-        stats["strategy"].append("vanilla")
-        self.bandit.update(running, arm, (int(np.asarray(state.n_out).sum()) - n0) / dt)
-      return state, rows
-    strategy = force_strategy if arm is None else c.strategies[arm]
-    if strategy.lookup:
-      state, rounds, acc, row_rounds, plain = self._exe("lloop", len(rows), strategy)(self.tstate, state)
-      stats["lookup_plain_rounds"] = stats.get("lookup_plain_rounds", 0) + int(plain)
-    else:
-      state, rounds, acc, row_rounds = self._exe("sloop", len(rows), strategy)(
-          self.tstate, self.dstate, state)
-    rounds, acc, row_rounds = int(rounds), int(acc), int(row_rounds)
-    dt = time.perf_counter() - t0
-    if arm is not None:  # reward: tokens per second of the whole long-tail phase
-      self.bandit.update(running, arm, (acc + row_rounds) / dt)
-    stats["spec_steps"] += rounds
-    stats["spec_seconds"] += dt
-    stats["accepted"].append(acc / max(row_rounds, 1))  # one entry: the phase's mean
-    stats["spec_batch"].append(running)
-    stats["strategy"].append(strategy.name)
-    return state, rows
+      if arm is not None:  # reward: tokens per second of this loop
+        self.bandit.update(running, arm, (acc + row_rounds) / dt)
+      stats["spec_steps"] += rounds
+      stats["spec_seconds"] += dt
+      stats["accepted"].append(acc / max(row_rounds, 1))  # one entry per loop: its mean
+      stats["spec_batch"].append(running)
+      stats["strategy"].append(strategy.name)
 
   def _shrink(self, state, rows, done, new_b, results, n, refs=None):
     """Harvests finished rows and keeps the running ones in a batch of ``new_b`` rows; ``refs``

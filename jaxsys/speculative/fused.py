@@ -2,13 +2,17 @@
 
 On a small target the per-step work is sub-millisecond, so a Python loop that dispatches one
 executable per step (and reads ``done`` back every step) spends a large share of a rollout in
-dispatch and host syncs. Here a rollout is at most four executables: ``init``, ``prefill``, a
-vanilla loop over the full batch until fewer than ``min_running`` rows run, and then (after
-the engine shrinks the batch) the long-tail loop:
+dispatch and host syncs. Here a rollout is ``init``, ``prefill``, a vanilla loop over the full
+batch until fewer than ``min_running`` rows run, and then the long tail: one loop per batch
+bucket, the engine shrinking the batch between them (``RolloutConfig.shrink_tail``), each loop
+running while its rows still need that bucket (``min_running``: one more than the next smaller
+bucket). A decode step at batch 1 costs about half of one at batch 8 on a memory-bound CPU, so the
+last long response should not run at the bucket its phase started in.
 
 * ``vanilla_loop``: vanilla steps while ``running >= min_running`` (``min_running=1``: to the end).
-* ``spec_loop``: drafter sync, then ``draft`` + ``verify`` rounds of one strategy until every row
-  is done, counting verify rounds and accepted tokens on device.
+* ``spec_loop``: drafter sync (traced flag: skipped when the phase continues from a speculative
+  one, whose rounds kept the drafter's cache current), then ``draft`` + ``verify`` rounds of one
+  strategy while ``running >= min_running``, counting verify rounds and accepted tokens on device.
 * ``lookup_loop``: the same rounds drafted by ``lookup.lookup_draft`` (no drafter model); a round
   where no running row found a match is one vanilla step instead of a verify.
 
@@ -46,13 +50,15 @@ def vanilla_loop(model, state: dec.DecodeState, min_running, cfg: dec.DecodeConf
                             max_steps=cfg.max_new, min_running=min_running)
 
 
-def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig):
-  """Drafter sync, then speculative rounds until every row is done.
+def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig,
+              min_running=1, sync=True):
+  """Drafter sync (when ``sync``, a bool scalar), then speculative rounds while at least
+  ``min_running`` rows run.
 
   Returns ``(state, rounds, accepted, row_rounds)``: verify rounds, accepted draft tokens summed
   over rows and rounds, and running rows summed over rounds (mean accepted = accepted/row_rounds).
   """
-  state = dec.drafter_sync(model, drafter, state)
+  state = jax.lax.cond(sync, lambda s: dec.drafter_sync(model, drafter, s), lambda s: s, state)
 
   def body(carry):
     s, acc, rows = carry
@@ -63,12 +69,14 @@ def spec_loop(model, drafter, state: dec.DecodeState, strategy: Strategy, cfg: d
 
   zero = jnp.int32(0)
   (state, acc, rows), rounds = core.while_running(  # each round emits >= 1 token per running row
-      body, (state, zero, zero), running=lambda c: _running(c[0]), max_steps=cfg.max_new)
+      body, (state, zero, zero), running=lambda c: _running(c[0]), max_steps=cfg.max_new,
+      min_running=min_running)
   return state, rounds, acc, rows
 
 
-def lookup_loop(model, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig):
-  """Lookup-drafted rounds until every row is done (``strategy.lookup > 0``).
+def lookup_loop(model, state: dec.DecodeState, strategy: Strategy, cfg: dec.DecodeConfig,
+                min_running=1):
+  """Lookup-drafted rounds while at least ``min_running`` rows run (``strategy.lookup > 0``).
 
   Returns ``(state, rounds, accepted, row_rounds, plain_rounds)``: as ``spec_loop``, plus the
   rounds run as a vanilla step because no running row had a draft (they count in ``rounds`` and
@@ -91,7 +99,8 @@ def lookup_loop(model, state: dec.DecodeState, strategy: Strategy, cfg: dec.Deco
 
   zero = jnp.int32(0)
   (state, acc, rows, plain), rounds = core.while_running(
-      body, (state, zero, zero, zero), running=lambda c: _running(c[0]), max_steps=cfg.max_new)
+      body, (state, zero, zero, zero), running=lambda c: _running(c[0]), max_steps=cfg.max_new,
+      min_running=min_running)
   return state, rounds, acc, rows, plain
 
 
@@ -104,12 +113,13 @@ def jit_vanilla_loop(cfg: dec.DecodeConfig):
 
 
 def jit_spec_loop(cfg: dec.DecodeConfig, strategy: Strategy):
-  def f(gdef, tstate, dgdef, dstate, state):
-    return spec_loop(nnx.merge(gdef, tstate), nnx.merge(dgdef, dstate), state, strategy, cfg)
+  def f(gdef, tstate, dgdef, dstate, state, min_running, sync):
+    return spec_loop(nnx.merge(gdef, tstate), nnx.merge(dgdef, dstate), state, strategy, cfg,
+                     min_running, sync)
   return jax.jit(f, static_argnums=(0, 2), donate_argnums=4)
 
 
 def jit_lookup_loop(cfg: dec.DecodeConfig, strategy: Strategy):
-  def f(gdef, tstate, state):
-    return lookup_loop(nnx.merge(gdef, tstate), state, strategy, cfg)
+  def f(gdef, tstate, state, min_running):
+    return lookup_loop(nnx.merge(gdef, tstate), state, strategy, cfg, min_running)
   return jax.jit(f, static_argnums=0, donate_argnums=2)

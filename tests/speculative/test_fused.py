@@ -39,7 +39,7 @@ def test_fused_phases_equal_vanilla(setup, fused_engine, speculative):  # noqa: 
   calls = []
   res = fused_engine.generate(prompts, speculative=speculative, on_long_tail=lambda: calls.append(1))
   assert res.tokens == ref
-  assert res.stats["vanilla_steps"] > 0 and res.stats["shrinks"] == 1
+  assert res.stats["vanilla_steps"] > 0 and res.stats["shrinks"] >= 1
   assert (res.stats["spec_steps"] > 0) == speculative == bool(calls)
   step = engine.generate(prompts, speculative=False)
   for a, b, fa, fb in zip(res.sequences, step.sequences, res.features, step.features):
@@ -65,3 +65,23 @@ def test_vanilla_arm_is_explored_and_lossless(setup, fused):  # noqa: F811
     strategies += res.stats["strategy"]
   assert "vanilla" in strategies and set(strategies) - {"vanilla"}
   assert eng.bandit.pulls[(4, n_arms - 1)] >= 1  # the vanilla arm, in the 4-row tail bucket
+
+
+@pytest.mark.parametrize("strategy", [None, CHAIN], ids=["vanilla", "chain"])
+def test_long_tail_shrinks_per_bucket(setup, strategy):  # noqa: F811
+  """``shrink_tail``: the tail moves to a smaller bucket each time its rows fit one (one loop
+  per bucket, the last response alone at batch 1); outputs equal the single-shrink tail's."""
+  model, drafter, engine, prompts, ref = setup
+  out = {}
+  for shrink_tail in (True, False):
+    cfg = dataclasses.replace(engine.config, fused=True, spec_threshold=8, batch_buckets=(1, 2, 4, 8),
+                              shrink_tail=shrink_tail)
+    eng = RolloutEngine(model, drafter, cfg, pool=engine.pool)
+    res = eng.generate(prompts, force_strategy=strategy, speculative=strategy is not None)
+    assert res.tokens == ref
+    out[shrink_tail] = res.stats
+  assert out[True]["shrinks"] > out[False]["shrinks"]
+  if strategy is not None:  # rows running at the start of each speculative loop
+    batches = out[True]["spec_batch"]
+    assert len(batches) > 1 and batches[-1] == 1 and batches == sorted(batches, reverse=True)
+    assert len(out[False]["spec_batch"]) == 1
