@@ -430,10 +430,13 @@ class RolloutEngine:
       stats["vanilla_steps"] += int(steps)  # int(): waits for the loop
       stats["vanilla_seconds"] += time.perf_counter() - t0
     tail_started, synced = False, False
+    acc_sum = row_sum = 0  # accepted tokens and running rows over every speculative round
     while True:  # the long tail: one loop per bucket, each on the smallest bucket holding its rows
       done = np.asarray(state.done)
       running = int((~done).sum())
       if running == 0:
+        if row_sum:  # one entry: the tail's mean per row and round, over all its loops
+          stats["accepted"].append(acc_sum / row_sum)
         return state, rows
       new_b = bucket_of(running, c.batch_buckets)
       if new_b < len(rows):
@@ -478,7 +481,7 @@ class RolloutEngine:
         self.bandit.update(running, arm, (acc + row_rounds) / dt)
       stats["spec_steps"] += rounds
       stats["spec_seconds"] += dt
-      stats["accepted"].append(acc / max(row_rounds, 1))  # one entry per loop: its mean
+      acc_sum, row_sum = acc_sum + acc, row_sum + row_rounds
       stats["spec_batch"].append(running)
       stats["strategy"].append(strategy.name)
 
