@@ -1,6 +1,7 @@
 """Shared ``__main__`` handling for experiment modules: the same flags for every experiment.
 
-``python -m experiments.<name> [--quick] [--out DIR] [--devices N] [--mesh AXES] [--dtype D] [--parts ...]``
+``python -m experiments.<name> [--quick] [--out DIR] [--devices N] [--mesh AXES] [--dtype D] [--seed S]
+[--parts ...]``
 
 * ``--devices N``: N simulated devices on the CPU (XLA's host platform). It never changes what a
   GPU or TPU backend sees: there every local chip is used. Default: the experiment's own
@@ -8,6 +9,8 @@
 * ``--mesh AXES``: mesh axis sizes, e.g. ``ring=2,ulysses=4`` or ``graph=8``; only for the
   experiments whose ``run`` takes ``mesh`` (``--help`` lists it when it does).
 * ``--dtype``: compute dtype, where ``run`` takes ``dtype``.
+* ``--seed S``: base seed of the data and initialisation, where ``run`` takes ``seed`` (``jaxsys
+  reproduce --seed S`` reruns the quick table on other draws: experiments/README.md has the spread).
 * Multi-host: every experiment calls ``jaxsys.parallel.distributed.initialize_distributed()``
   before any JAX work, so the same command runs under SLURM ``srun``, on every worker of a TPU VM
   pod, or with ``JAXSYS_COORDINATOR_ADDRESS`` / ``JAXSYS_NUM_PROCESSES`` / ``JAXSYS_PROCESS_ID``
@@ -16,28 +19,22 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import os
 import re
 import sys
 
+from jaxsys.experiments import parse_mesh  # noqa: F401  (also the runner's)
+
 _COUNT = "--xla_force_host_platform_device_count"
+SEED_STRIDE = 100_003  # a prime far above any literal seed an experiment uses, so streams never collide
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-  """``"ring=2,ulysses=4"`` -> ``{"ring": 2, "ulysses": 4}`` (sizes positive integers)."""
-  axes = {}
-  for part in text.split(","):
-    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
-    if not m or int(m.group(2)) < 1:
-      raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected axis=size[,axis=size...] with sizes >= 1, "
-                                       f"e.g. ring=2,ulysses=4")
-    if m.group(1) in axes:
-      raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {m.group(1)!r} given twice")
-    axes[m.group(1)] = int(m.group(2))
-  return axes
+def reseed(base: int, seed: int) -> int:
+  """An experiment's literal seed ``base`` under the run's ``--seed``: ``base`` itself at seed 0 (the
+  default table is unchanged), and for other seeds a value no other (base, seed) pair gives."""
+  return int(base) + SEED_STRIDE * int(seed)
 
 
 def set_cpu_devices(n: int) -> None:
@@ -62,6 +59,7 @@ def main(name: str, argv=None):
   module = importlib.import_module(REGISTRY[name][0])
   params = inspect.signature(module.run).parameters
   default_devices = getattr(module, "DEVICES", 1)
+  import argparse
   parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
                                    description=(module.__doc__ or "").strip().splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes (a few minutes on 2 CPU cores)")
@@ -76,6 +74,9 @@ def main(name: str, argv=None):
   if "dtype" in params:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype (default float32)")
+  if "seed" in params:
+    parser.add_argument("--seed", type=int, default=0,
+                        help="base seed of the data and initialisation (default 0); jaxsys reproduce --seed")
   parts = getattr(module, "PARTS", None)
   if parts:
     parser.add_argument("--parts", nargs="+", choices=parts, default=None,
@@ -90,8 +91,9 @@ def main(name: str, argv=None):
     kw["parts"] = args.parts
   if getattr(args, "mesh", None):
     kw["mesh"] = args.mesh
-  if "dtype" in params:
-    kw["dtype"] = args.dtype
+  for name in ("dtype", "seed"):
+    if name in params:
+      kw[name] = getattr(args, name)
   from jaxsys.core.errors import ConfigError
   try:
     rows = module.run(quick=args.quick, out_dir=args.out, **kw)

@@ -97,7 +97,7 @@ def _attn_fn(strategy, mesh):
 
 
 def _structs(plan, mesh, b, s, h, hk, d, dtype=jnp.float32):
-  sh = NamedSharding(mesh, api._seq_spec(plan, 4))
+  sh = NamedSharding(mesh, api.seq_spec(plan, 4))
   q = jax.ShapeDtypeStruct((b, s, h, d), dtype, sharding=sh)
   kv = jax.ShapeDtypeStruct((b, s, hk, d), dtype, sharding=sh)
   return sh, (q, kv, kv)

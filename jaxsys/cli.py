@@ -2,8 +2,8 @@
 
   jaxsys --version                             the installed version
   jaxsys info                                  version, JAX version, devices, available implementations
-  jaxsys reproduce [--quick] [--only NAME ...] [--out DIR]
-                                               run registered experiments, print a table, write runs/
+  jaxsys reproduce [--quick] [--only NAME ...] [--list] [--out DIR] [--devices N] [--mesh AXES]
+                   [--dtype D] [--seed S]      run registered experiments, print a table, write runs/
   jaxsys serve ...                             OpenAI-compatible HTTP server (or the engine on a prompt file)
   jaxsys gates --model M --out gates.json      learn DuoAttention streaming-head gates (serve --gates)
   jaxsys cluster ...                           scheduler simulator sweeps and trace summaries
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 __all__ = [
-    "add_forwarded", "build_api_docs", "build_parser", "format_table", "main", "REGISTRARS", "version",
+    "add_forwarded", "build_api_docs", "build_parser", "main", "REGISTRARS", "version",
 ]
 
 
@@ -57,125 +54,6 @@ def _info(_args) -> int:
     print(f"  attention impl {name}: {ok}")
   print(f"  auto order: {', '.join(api.auto_order())}")
   return 0
-
-
-def _fmt(x, digits=3):
-  if x is None:
-    return "-"
-  if isinstance(x, bool):
-    return "yes" if x else "no"
-  if isinstance(x, (int, float)):
-    if x == 0:
-      return "0"
-    ax = abs(x)
-    if ax >= 1e5 or ax < 1e-3:
-      return f"{x:.3g}"
-    return f"{x:.{digits}g}" if ax < 100 else f"{x:.0f}"
-  return str(x)
-
-
-def _cell(x) -> str:
-  """A markdown table cell: ``|`` escaped, newlines folded (row names may hold either)."""
-  return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def format_table(results: list[dict]) -> str:
-  """Markdown table: system, experiment, metric, baseline, ours, ratio, ideal, goal, met."""
-  from jaxsys.experiments import REGISTRY
-  head = "| system | experiment | metric | unit | baseline | ours | ratio | ideal | goal | met? |"
-  lines = [head, "|" + "---|" * 10]
-  for res in results:
-    system = REGISTRY.get(res["name"], ("", res["name"], ""))[1]
-    if res.get("error"):
-      lines.append(f"| {system} | {res['name']} | FAILED: {_cell(res['error'])} | | | | | | | no |")
-      continue
-    for r in res.get("rows", []):
-      base = _fmt(r.get("baseline"))
-      if r.get("baseline_name"):
-        base = f"{base} ({r['baseline_name']})"
-      met = r.get("met")
-      cells = [system, res["name"], r["metric"], r.get("unit", ""), base, _fmt(r.get("ours")),
-               _fmt(r.get("ratio")), _fmt(r.get("ideal")), r.get("goal") or "-",
-               "-" if met is None else ("yes" if met else "no")]
-      lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-  return "\n".join(lines)
-
-
-def _last_line(path: Path, limit: int = 4096) -> str:
-  """The last non-empty line of a log (tqdm bars end their lines with carriage returns)."""
-  with open(path, "rb") as fh:
-    fh.seek(0, os.SEEK_END)
-    fh.seek(max(0, fh.tell() - limit))
-    text = fh.read().decode("utf-8", "replace")
-  lines = [x.strip() for x in text.replace("\r", "\n").splitlines() if x.strip()]
-  return lines[-1] if lines else ""
-
-
-def _wait_with_heartbeat(proc, log_path: Path, t0: float, timeout, every: float):
-  """Waits for ``proc``; every ``every`` seconds prints the elapsed time and the log's last line.
-  Returns the exit code, or None after killing it at ``timeout`` seconds."""
-  next_beat = t0 + every
-  while True:
-    try:
-      return proc.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-      pass
-    now = time.perf_counter()
-    if timeout is not None and now - t0 > timeout:
-      proc.kill()
-      proc.wait()
-      return None
-    if every > 0 and now >= next_beat:
-      print(f"      ... {now - t0:.0f}s  {_last_line(log_path)[:100]}", flush=True)
-      next_beat = now + every
-
-
-def _reproduce(args) -> int:
-  from jaxsys.experiments import REGISTRY
-  names = args.only or list(REGISTRY)
-  unknown = [n for n in names if n not in REGISTRY]
-  if unknown:
-    print(f"unknown experiment(s) {unknown}; known: {', '.join(REGISTRY)}", file=sys.stderr)
-    return 2
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  results = []
-  t_all = time.perf_counter()
-  for i, name in enumerate(names, 1):
-    module = REGISTRY[name][0]
-    print(f"[{i}/{len(names)}] {name}: {REGISTRY[name][2]} ...", flush=True)
-    t0 = time.perf_counter()
-    # -P: the working directory is not put on sys.path, so a local ``experiments`` package cannot
-    # shadow the installed scripts (Python >= 3.11; older ones run from where they are).
-    safe = ["-P"] if sys.version_info >= (3, 11) else []
-    cmd = [sys.executable, *safe, "-m", module, "--out", str(out)] + (["--quick"] if args.quick else [])
-    log_path = out / name / "log.txt"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    result_path = out / name / "result.json"
-    if result_path.exists():
-      result_path.unlink()
-    with open(log_path, "w") as log:
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-      returncode = _wait_with_heartbeat(proc, log_path, t0, args.timeout, args.heartbeat)
-    dt = time.perf_counter() - t0
-    if returncode is None:
-      res = {"name": name, "error": f"timed out after {args.timeout:.0f}s"}
-      print(f"      TIMED OUT after {dt:.0f}s: see {log_path}", flush=True)
-    elif returncode == 0 and result_path.exists():
-      res = json.loads(result_path.read_text())
-      print(f"      done in {dt:.0f}s ({len(res.get('rows', []))} rows)", flush=True)
-    else:
-      tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-      res = {"name": name, "error": f"exit {returncode}: {tail[0][:120]}"}
-      print(f"      FAILED in {dt:.0f}s: see {log_path}", flush=True)
-    results.append(res)
-  table = format_table(results)
-  print()
-  print(table)
-  (out / "summary.md").write_text(table + "\n")
-  (out / "summary.json").write_text(json.dumps(results, indent=2))
-  print(f"\n{len(names)} experiments in {time.perf_counter() - t_all:.0f}s; results in {out}/")
-  return 0 if all(not r.get("error") for r in results) else 1
 
 
 def _public_modules() -> list[str]:
@@ -239,14 +117,40 @@ def _register_core(sub) -> None:
   d = sub.add_parser("docs", help="write the HTML API reference (pdoc) into a folder")
   d.add_argument("--out", default="docs/api", help="output folder (default: docs/api)")
   d.set_defaults(fn=_docs)
-  r = sub.add_parser("reproduce", help="run the registered experiments and print a table")
+  from jaxsys import experiments
+  names = "\n".join(f"  {n:13s} {s}: {d}" for n, (_, s, d) in experiments.REGISTRY.items())
+  r = sub.add_parser("reproduce", help="run the registered experiments and print a table",
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog=f"experiments (in table order):\n{names}\n\n--mesh, --dtype and --seed go to the "
+                            "experiments whose run takes them (--list says which); the others run with their own "
+                            "setting and the progress line says so.")
   r.add_argument("--quick", action="store_true", help="small sizes: minutes on 2 CPU cores")
   r.add_argument("--only", nargs="+", metavar="NAME", help="run only these experiments")
+  r.add_argument("--list", action="store_true", help="list the experiments and the flags each takes, then exit")
   r.add_argument("--out", default="runs", help="output folder (default: runs)")
   r.add_argument("--timeout", type=float, default=None, help="seconds per experiment")
   r.add_argument("--heartbeat", type=float, default=30.0,
                  help="seconds between progress lines while an experiment runs (0: none)")
+  r.add_argument("--devices", type=int, default=None,
+                 help="simulated CPU devices for every experiment (default: each experiment's own)")
+  r.add_argument("--mesh", type=experiments.parse_mesh, default=None, metavar="AXES",
+                 help="mesh axis sizes for the experiments that build a mesh, e.g. ring=2,ulysses=4")
+  r.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="compute dtype for the experiments with a model (default: float32)")
+  r.add_argument("--seed", type=int, default=None,
+                 help="base seed for the experiments' data and initialisation (default: 0)")
   r.set_defaults(fn=_reproduce)
+
+
+def _reproduce(args) -> int:
+  from jaxsys import experiments
+  if args.list:
+    for name, (_, system, desc) in experiments.REGISTRY.items():
+      flags = " ".join(f for p, f in experiments.FORWARDED.items() if p in experiments.run_params(name))
+      print(f"{name:13s} {system:32s} ~{experiments.QUICK_SECONDS.get(name, 60):4.0f}s quick  "
+            f"[--devices {flags}]".replace(" ]", "]") + f"  {desc}")
+    return 0
+  return experiments.reproduce(args)
 
 
 def _register_forwarded(sub) -> None:

@@ -72,3 +72,50 @@ def test_api_reference_builds(tmp_path):
   assert "attention" in ops and "quantized_aggregate" in ops
   engine = (out / "jaxsys" / "serving" / "engine.html").read_text()
   assert "ServingEngine" in engine and "continuous batching" in engine  # the module docstring
+
+
+def _private_uses(code: str) -> list[str]:
+  """Names a snippet reaches that start with ``_`` (not dunders): ``x._f``, ``from a._b import c``,
+  ``from a import _c``, ``import a._b``. Names the snippet defines itself are its own business."""
+  # namedtuple's documented methods carry an underscore so they cannot clash with field names
+  public = {"_replace", "_asdict", "_fields", "_make"}
+  private = lambda n: n.startswith("_") and not (n.startswith("__") and n.endswith("__")) and n not in public
+  found = []
+  for node in ast.walk(ast.parse(code)):
+    if isinstance(node, ast.Attribute) and private(node.attr):
+      found.append(f".{node.attr}")
+    elif isinstance(node, ast.ImportFrom):
+      parts = (node.module or "").split(".") + [a.name for a in node.names]
+      found += [f"from {node.module} import {a.name}" for a in node.names if any(map(private, parts))]
+    elif isinstance(node, ast.Import):
+      found += [a.name for a in node.names if any(map(private, a.name.split(".")))]
+  return found
+
+
+def _user_snippets():
+  """(where, code): every Python block of the README and every notebook code cell (IPython magics
+  and shell lines dropped)."""
+  import json
+  import re
+  readme = (ROOT / "README.md").read_text()
+  for i, m in enumerate(re.finditer(r"```python\n(.*?)```", readme, re.S)):
+    yield f"README.md python block {i + 1}", m.group(1)
+  for nb in sorted((ROOT / "colab").glob("*.ipynb")):
+    for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+      if cell["cell_type"] == "code":
+        src = "".join(cell["source"])
+        yield f"{nb.name} cell {i}", "\n".join(x for x in src.splitlines() if not x.lstrip().startswith(("%", "!")))
+
+
+def test_readme_and_notebooks_use_public_names_only():
+  """What users copy from calls the public API only: no README block or notebook cell reaches a name
+  that starts with ``_``."""
+  bad = {where: uses for where, code in _user_snippets() if (uses := _private_uses(code))}
+  assert not bad, f"private names in user-facing code: {bad}"
+
+
+def test_private_name_check_can_fail():
+  assert _private_uses("from jaxsys.parallel import api\napi._seq_spec(p, 4)") == ["._seq_spec"]
+  assert _private_uses("from jaxsys._lazy import x\nimport jaxsys.core._c") == [
+      "from jaxsys._lazy import x", "jaxsys.core._c"]
+  assert _private_uses("import os\nos.__name__\n_local = 1\nt._replace(a=1)") == []

@@ -12,6 +12,7 @@ import pytest
 
 import jaxsys
 from jaxsys import cli
+from jaxsys import experiments as runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def test_info_runs():
 
 
 def test_table_reports_failures():
-  table = cli.format_table([
+  table = runner.format_table([
       {"name": "attention", "rows": [{"metric": "m", "unit": "ms", "baseline": 2.0, "ours": 1.0,
                                       "ratio": 2.0, "goal": ">= 1", "met": True}]},
       {"name": "cluster", "error": "exit 1: boom"}])
@@ -46,7 +47,7 @@ def test_reproduce_rejects_unknown(capsys):
 
 
 def test_table_escapes_pipes_in_cells():
-  table = cli.format_table([{"name": "attention", "rows": [
+  table = runner.format_table([{"name": "attention", "rows": [
       {"metric": "a | b", "unit": "ms", "baseline": 1.0, "ours": 1.0, "ratio": 1.0}]}])
   row = table.splitlines()[2]
   assert "a \\| b" in row and row.count("|") - row.count("\\|") == 11  # 10 cells
@@ -71,7 +72,7 @@ def test_reproduce_is_not_shadowed_by_a_local_experiments_package(tmp_path, monk
     assert Path(found.stdout).resolve() == ROOT / "experiments" / "cluster.py"
     return types.SimpleNamespace(returncode=1, wait=lambda timeout=None: 1, kill=lambda: None)
 
-  monkeypatch.setattr(cli.subprocess, "Popen", fake_popen)
+  monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
   cli.main(["reproduce", "--only", "cluster", "--quick", "--out", str(tmp_path / "runs")])
   assert len(calls) == 1 and calls[0][-3:] == ["--out", str(tmp_path / "runs"), "--quick"]
 
@@ -200,11 +201,67 @@ def test_reproduce_heartbeat_shows_the_running_experiments_last_line(tmp_path, c
   with open(log_path, "w") as log:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
-    assert cli._wait_with_heartbeat(proc, log_path, t0, None, every=0.5) == 0
+    assert runner._wait_with_heartbeat(proc, log_path, t0, None, every=0.5) == 0
   out = capsys.readouterr().out
   assert "step " in out and "s  step" in out
-  assert cli._last_line(log_path) == "done"
+  assert runner._last_line(log_path) == "done"
   with open(log_path, "w") as log:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=log)
-    assert cli._wait_with_heartbeat(proc, log_path, time.perf_counter(), 1.0, every=0) is None
+    assert runner._wait_with_heartbeat(proc, log_path, time.perf_counter(), 1.0, every=0) is None
   assert proc.returncode is not None  # killed, not left running
+
+
+def test_run_params_match_each_experiments_signature():
+  """The runner reads each ``run``'s parameters from source; they agree with the imported function,
+  so a flag goes exactly to the experiments whose ``_cli`` parser accepts it."""
+  import inspect
+  for name, (module, _, _) in runner.REGISTRY.items():
+    assert runner.run_params(name) == tuple(inspect.signature(importlib.import_module(module).run).parameters)
+
+
+def test_reproduce_forwards_flags_to_the_experiments_that_take_them(tmp_path, monkeypatch, capsys):
+  calls = []
+
+  def fake_popen(cmd, **kwargs):
+    calls.append(cmd)
+    return types.SimpleNamespace(returncode=1, wait=lambda timeout=None: 1, kill=lambda: None)
+
+  monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
+  rc = cli.main(["reproduce", "--only", "mmsp", "cluster", "--quick", "--devices", "4", "--mesh", "ring=2,ulysses=2",
+                 "--dtype", "bfloat16", "--seed", "3", "--out", str(tmp_path), "--heartbeat", "0"])
+  assert rc == 1  # both "failed": the fake process wrote no result
+  mmsp, cluster = (" ".join(c) for c in calls)
+  for flag in ("--devices 4", "--mesh ring=2,ulysses=2", "--dtype bfloat16", "--quick"):
+    assert flag in mmsp
+  assert "--devices 4" in cluster and "--mesh" not in cluster and "--dtype" not in cluster
+  out = capsys.readouterr().out
+  assert "cluster takes no --mesh, --dtype" in out and "[1/2] mmsp" in out and "left)" in out
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| experiment | wall time |" in summary and "| cluster |" in summary and "2 experiments in" in summary
+
+
+def test_reproduce_rejects_a_malformed_mesh(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["reproduce", "--mesh", "ring"])
+  assert "expected axis=size" in capsys.readouterr().err
+
+
+def test_reproduce_lists_experiments_and_their_flags(capsys):
+  assert cli.main(["reproduce", "--list"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [ln.split()[0] for ln in lines] == list(runner.REGISTRY)
+  mmsp = next(ln for ln in lines if ln.startswith("mmsp "))
+  assert "--mesh" in mmsp and "--dtype" in mmsp
+
+
+def test_reproduce_help_names_every_experiment():
+  r = subprocess.run([sys.executable, "-m", "jaxsys.cli", "reproduce", "--help"], capture_output=True, text=True)
+  assert r.returncode == 0 and all(f"  {n} " in r.stdout for n in runner.REGISTRY)
+
+
+def test_eta_scales_the_remaining_expected_times():
+  names = ["attention", "cluster", "date"]
+  q = runner.QUICK_SECONDS
+  left = runner._eta(names, 1, t_start=100.0, done_s=2 * q["attention"], quick=True)
+  assert left(100.0) == f", ~{runner._minutes(2 * (q['cluster'] + q['date']))} left"  # twice as slow so far
+  assert runner._eta(names, 0, 0.0, 0.0, quick=False)(5.0) == ""

@@ -42,7 +42,7 @@ from jaxsys.parallel.ulysses import check_heads, ulysses_attention_shard
 
 __all__ = [
     "allgather_attention_shard", "check_plan_inputs", "make_plan", "PAD_SEGMENT",
-    "sequence_parallel_attention", "sequence_parallel_attention_shard", "shard_program", "sp_attention_fn",
+    "seq_spec", "sequence_parallel_attention", "sequence_parallel_attention_shard", "shard_program", "sp_attention_fn",
     "SPPlan", "STRATEGIES",
 ]
 
@@ -157,7 +157,10 @@ def check_plan_inputs(plan: SPPlan, q, k, mask, seq_len: int, pad: bool):
     zz.check_seq_len(seq_len, plan.ring_size, plan.layout, extra=plan.ulysses_size)
 
 
-def _seq_spec(plan: SPPlan, ndim: int) -> PartitionSpec:
+def seq_spec(plan: SPPlan, ndim: int) -> PartitionSpec:
+  """The ``PartitionSpec`` of an ``ndim``-rank activation ``[batch, seq, ...]`` under ``plan``: batch
+  over the plan's batch axis, sequence over its SP axes, the rest replicated. Use it to place
+  global arrays for ``tokens_reordered=True`` calls or to name ``out_shardings``."""
   seq = None if not plan.seq_axes else _axis(plan.seq_axes)
   return PartitionSpec(plan.batch_axis, seq, *([None] * (ndim - 2)))
 
@@ -170,7 +173,7 @@ def shard_program(plan: SPPlan, mesh: Mesh, *, mask=None, scale=None, impl="auto
   zigzag layout on entry and back on exit (``zigzag.zigzag_reorder_shard``), so no global
   gather of the sequence is ever needed; otherwise they are already in layout order.
   """
-  spec4, spec2 = _seq_spec(plan, 4), _seq_spec(plan, 2)
+  spec4, spec2 = seq_spec(plan, 4), seq_spec(plan, 2)
   seq = _axis(plan.seq_axes)
   to_layout = lambda t: zz.zigzag_reorder_shard(t, plan.ring_size, seq, plan.degree)  # noqa: E731
 
@@ -238,7 +241,7 @@ def sequence_parallel_attention(q, k, v, *, mesh: Mesh, strategy: str = "hybrid"
   # primitive; inside one (a jitted model) this jit is inlined.
   prog = jax.jit(shard_program(plan, mesh, mask=mask, scale=args.scale, impl=impl,
                                has_segments=bool(segs), reorder=reorder))
-  spec4, spec2 = _seq_spec(plan, 4), _seq_spec(plan, 2)
+  spec4, spec2 = seq_spec(plan, 4), seq_spec(plan, 2)
   out = prog(*(place(t, spec4, mesh) for t in (q, k, v)), *(place(t, spec2, mesh) for t in segs))
   if target == s:
     return out
