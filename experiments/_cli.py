@@ -25,7 +25,7 @@ import os
 import re
 import sys
 
-from jaxsys.experiments import parse_mesh  # noqa: F401  (also the runner's)
+from jaxsys.experiments import parse_mesh, parse_seed  # the runner's parsers too
 
 _COUNT = "--xla_force_host_platform_device_count"
 SEED_STRIDE = 100_003  # a prime far above any literal seed an experiment uses, so streams never collide
@@ -75,7 +75,7 @@ def main(name: str, argv=None):
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype (default float32)")
   if "seed" in params:
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=parse_seed, default=0,
                         help="base seed of the data and initialisation (default 0); jaxsys reproduce --seed")
   parts = getattr(module, "PARTS", None)
   if parts:
@@ -91,9 +91,9 @@ def main(name: str, argv=None):
     kw["parts"] = args.parts
   if getattr(args, "mesh", None):
     kw["mesh"] = args.mesh
-  for name in ("dtype", "seed"):
-    if name in params:
-      kw[name] = getattr(args, name)
+  for param in ("dtype", "seed"):
+    if param in params:
+      kw[param] = getattr(args, param)
   from jaxsys.core.errors import ConfigError
   try:
     rows = module.run(quick=args.quick, out_dir=args.out, **kw)

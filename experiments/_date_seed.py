@@ -1,10 +1,12 @@
 """One seed of the DATE comparison (both variants, the paper's SGD), for spreading the seeds of
 ``experiments.date`` over processes or machines and for longer schedules.
 
-Command: ``python -m experiments._date_seed SEED STEPS OUT_DIR``; writes
-``OUT_DIR/partial_s{SEED}_n{STEPS}.json`` (``{"curves": ..., "finals": ...}`` as
-``experiments.date`` keeps them, one run per variant). Every other setting is full mode's
-(``experiments.date._settings(False)``). Summarise several seeds with ``experiments.date.steps_to``.
+Command: ``python -m experiments._date_seed SEED STEPS OUT_DIR [--base-seed B]``; writes
+``OUT_DIR/partial_s{S}_n{STEPS}.json`` (``{"curves": ..., "finals": ...}`` as
+``experiments.date`` keeps them, one run per variant), S = ``reseed(SEED, B)``. Every other setting
+is full mode's (``experiments.date._settings(False)``). Summarise several seeds with
+``experiments.date.steps_to``. ``--base-seed B`` is ``experiments.date``'s ``--seed``: the data are
+drawn from it and the run is that of seed ``reseed(SEED, B)`` there (default 0: the default table).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import jax
 
 from experiments import date
+from experiments._cli import reseed
 
 
 def _count(minimum: int):
@@ -33,13 +36,17 @@ def main(argv: list[str]) -> None:
   parser.add_argument("seed", type=_count(0), help="model / data-order seed (integer >= 0)")
   parser.add_argument("steps", type=_count(1), help="training steps (integer >= 1)")
   parser.add_argument("out", type=Path, help="output folder")
+  parser.add_argument("--base-seed", type=_count(0), default=0, metavar="B",
+                      help="experiments.date's --seed B: its data, and its run of seed reseed(SEED, B) "
+                           "(default 0)")
   args = parser.parse_args(argv)
-  seed, steps, out = args.seed, args.steps, args.out
+  base, steps, out = args.base_seed, args.steps, args.out
+  seed = reseed(args.seed, base)  # the seed experiments.date --seed B gives its run SEED
   out.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(out / ".jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  st = {**date._settings(False), "steps": steps, "seeds": [seed]}
-  _, train, ev, gts, cfgs = date.setup(st)
+  st = {**date._settings(False, base), "steps": steps, "seeds": [seed]}
+  _, train, ev, gts, cfgs = date.setup(st, base)
   date._train_all(st, st["optimizers"]["sgd"], cfgs, train, ev, gts, out, f"s{seed}_n{steps}")
   print(f"done: seed {seed}, {steps} steps -> {out}", file=sys.stderr)
 

@@ -20,6 +20,11 @@ attention differs:
 * **Speed at 8K** (one request, interleaved rounds, best of them): decode tokens/s over 32 new
   tokens and prefill seconds (time to the first token) of the dense engine vs the LServe engine.
   Goals >= 1.3x each.
+
+``run(out, details, seed=0)``: ``--seed S`` of ``experiments.lserve`` moves the gates' training
+documents and initialisation (the gates cache key holds the documents' seed, so each run seed
+learns its own gates once; seed 0 reads the gates cached before), the passkey prompts and the speed
+prompts. The model is the fixed SmolLM2 checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 
 import numpy as np
 
+from experiments._cli import reseed
 from experiments.lserve import accuracy_engine
 from jaxsys.core.results import Row
 
@@ -49,23 +55,30 @@ NEW = 8          # reply tokens for passkey
 MAX_BATCH = 4    # an 8K batch of 4 holds a 1.5 GB cache
 
 
-def _gates(model, tok, out, progress=True):
+def _gate_settings(seed: int = 0) -> dict:
+  """``GATE_SETTINGS`` under the run's ``--seed``: the training documents' seed follows it (the
+  initialisation's, ``reseed(0, seed)``, is a function of it, so the cache key need not hold both)."""
+  return {**GATE_SETTINGS, "seed": reseed(GATE_SETTINGS["seed"], seed)}
+
+
+def _gates(model, tok, out, progress=True, seed: int = 0):
   """``(StreamingGates, note)``: learned now, or read back from the settings-keyed cache."""
   from jaxsys.models.pretrained import cache_dir
   from jaxsys.serving.gates_cli import distillation_data
   from jaxsys.serving.streaming import StreamingGates, identify_streaming_heads
-  key = hashlib.sha256(json.dumps({"model": MODEL, **GATE_SETTINGS}, sort_keys=True).encode()).hexdigest()[:12]
+  settings = _gate_settings(seed)  # at seed 0 GATE_SETTINGS itself: the key of the gates cached before
+  key = hashlib.sha256(json.dumps({"model": MODEL, **settings}, sort_keys=True).encode()).hexdigest()[:12]
   path = cache_dir() / "gates" / f"{MODEL}-{key}.json"
   if path.is_file():
     gates = StreamingGates.load(path, sparsity=SPARSITY, sink=SINK, window=WINDOW)
     note = f"gates read from {path} (learned by an earlier run with the same settings)"
   else:
-    s = GATE_SETTINGS
+    s = settings
     _, data = distillation_data(s["examples"], s["length"], s["seed"], tok)
     t0 = time.perf_counter()
     gates = identify_streaming_heads(model, data, sink=SINK, window=WINDOW, sparsity=SPARSITY,
                                      steps=s["steps"], lr=s["lr"], l1=s["l1"], batch_size=1,
-                                     seed=0, progress=progress)
+                                     seed=reseed(0, seed), progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     gates.save(path)
     note = (f"gates learned in {time.perf_counter() - t0:.0f} s: distillation loss "
@@ -93,13 +106,16 @@ def _configs(ctx: int, gates):
   }
 
 
-def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS) -> list[Row]:
-  """Passkey accuracy per length and configuration (dense first: the others are points vs it)."""
+def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS, seed: int = 0) -> list[Row]:
+  """Passkey accuracy per length and configuration (dense first: the others are points vs it).
+  ``seeds`` prompts per length, from prompt seed ``reseed(0, seed)`` on (``seed``: the run's
+  ``--seed``; the gates' documents start at ``reseed(1000, seed)``, disjoint)."""
   from jaxsys.data import passkey_prompts
+  first = reseed(0, seed)
   rows = []
   for n in lengths:
     # 8K: the prompt and reply must fit the model's 8192 positions
-    cases = passkey_prompts(tok, min(n, 8192 - 2 * NEW - 16), range(seeds))
+    cases = passkey_prompts(tok, min(n, 8192 - 2 * NEW - 16), range(first, first + seeds))
     longest = max(len(c[0]) for c in cases) + NEW
     acc = {}
     for name, (ls, flags) in _configs(longest, gates).items():
@@ -127,9 +143,11 @@ def passkey_rows(model, tok, gates, details, lengths=LENGTHS, seeds=SEEDS) -> li
   return rows
 
 
-def speed_rows(model, gates, ctx: int = 8192 - 64, new: int = 32, rounds: int = 3) -> list[Row]:
-  """Decode tokens/s and prefill seconds of one ``ctx``-token request, dense vs LServe."""
-  rng = np.random.default_rng(0)
+def speed_rows(model, gates, ctx: int = 8192 - 64, new: int = 32, rounds: int = 3,
+               seed: int = 0) -> list[Row]:
+  """Decode tokens/s and prefill seconds of one ``ctx``-token request, dense vs LServe; ``seed``:
+  the run's ``--seed`` (the random prompts)."""
+  rng = np.random.default_rng(reseed(0, seed))
 
   def fresh():  # a new prompt per call: the dense engine's prefix cache would skip a repeated one
     return rng.integers(100, 40000, ctx).tolist()
@@ -166,13 +184,13 @@ def speed_rows(model, gates, ctx: int = 8192 - 64, new: int = 32, rounds: int = 
   return rows
 
 
-def run(out, details) -> list[Row]:
-  """Every SmolLM2 row; the gates files go to ``out``."""
+def run(out, details, seed: int = 0) -> list[Row]:
+  """Every SmolLM2 row; the gates files go to ``out``. ``seed``: the run's ``--seed``."""
   from jaxsys.models.pretrained import load_pretrained
   model, tok = load_pretrained(MODEL)
-  gates, note = _gates(model, tok, out, progress=os.environ.get("JAXSYS_NO_PROGRESS") is None)
+  gates, note = _gates(model, tok, out, progress=os.environ.get("JAXSYS_NO_PROGRESS") is None, seed=seed)
   print(f"  smollm2 {note}", flush=True)
   details["gates"] = note
-  rows = passkey_rows(model, tok, gates, details)
-  rows += speed_rows(model, gates)
+  rows = passkey_rows(model, tok, gates, details, seed=seed)
+  rows += speed_rows(model, gates, seed=seed)
   return rows

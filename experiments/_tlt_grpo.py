@@ -7,6 +7,8 @@ load), and after each step measures the accepted length of a drafter trained onc
 and of the online one on the current TLT policy (``eval_prompts``, ``strategy`` forced). Compiles
 inside each timed step are counted (``jaxsys.core.bench.compile_count``).
 
+``seed`` (the run's ``--seed``) moves the sampling keys of those accepted-length rollouts.
+
 ``rows`` turns the history into the experiment's rows (steps 2+; the first compiles small eager
 ops): step / rollout / update time, step time with the drafter's updates added (a host with no
 idle resources), the final reward of both runs and the accepted length, online vs frozen. The
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.results import Row
 
 __all__ = ["compare", "interleave", "plot_rewards", "rows"]
@@ -44,9 +47,10 @@ def interleave(runs: dict, steps: int, after_step=None) -> dict:
 
 
 def compare(make_tlt, policy, drafter0, rollout_cfg, eval_prompts, strategy, pool, steps: int,
-            tag: str = "tlt") -> dict:
+            tag: str = "tlt", seed: int = 0) -> dict:
   """Runs the interleaved comparison; returns ``{"tlt": [...], "vanilla": [...], "acc_frozen":
-  [...], "acc_online": [...]}`` (per-step metrics of ``GRPOTrainer.step`` and accepted lengths)."""
+  [...], "acc_online": [...]}`` (per-step metrics of ``GRPOTrainer.step`` and accepted lengths).
+  ``seed``: the run's ``--seed`` (the accepted-length rollouts' sampling keys)."""
   from jaxsys.core.bench import watch_compiles
   from jaxsys.speculative.engine import RolloutEngine
 
@@ -65,7 +69,7 @@ def compare(make_tlt, policy, drafter0, rollout_cfg, eval_prompts, strategy, poo
     online_eval.set_weights(tlt.trainer.policy)
     online_eval.set_drafter(tlt.engine.dstate)
     for key, eng in (("acc_frozen", frozen_eval), ("acc_online", online_eval)):
-      r = eng.generate(eval_prompts, seed=step, force_strategy=strategy)
+      r = eng.generate(eval_prompts, seed=reseed(step, seed), force_strategy=strategy)
       acc[key].append(r.stats["mean_accepted"] + 1)
     v, t = hist["vanilla"][-1], hist["tlt"][-1]
     print(f"[{tag}] grpo step {step}: vanilla {v['step_seconds']:.2f}s (cpu {v['step_cpu_seconds']:.2f}, "

@@ -14,6 +14,10 @@ the long-tail prompts of the speedup rows (count / repeat 24-48 items, T = 0.7, 
   best-of-N of one response, keep the comparison about the same distribution of text;
 * tokens per round (accepted + 1) and the share of rounds with no match (run as a vanilla step);
 * greedy lookup == ``generate`` token for token on 8 prompts.
+
+``run(model, sampler, stops, cfg, prompts_fn, out=None, seed=0)`` and ``grpo(..., seed=0)``:
+``seed`` (the experiment's ``--seed``) moves the prompt sets and sampling keys (seed 0: the default
+table).
 """
 
 from __future__ import annotations
@@ -22,30 +26,32 @@ import time
 
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.results import Row
 
 
-def run(model, sampler, stops, cfg, prompts_fn, out=None) -> tuple[list[Row], dict]:
+def run(model, sampler, stops, cfg, prompts_fn, out=None, seed: int = 0) -> tuple[list[Row], dict]:
   """Rows and a curve (tokens/s per method vs batch, plotted to ``out/tlt_lookup.png`` when
   ``out`` is given); ``prompts_fn(n, rng)`` gives long-tail prompts
-  (``_tlt_smollm2._prompts(..., long_only=True)``)."""
+  (``_tlt_smollm2._prompts(..., long_only=True)``). ``seed``: the run's ``--seed``."""
   from jaxsys.decoding.sampling import GREEDY, SamplingParams
   from jaxsys.serving.generation import generate
   from jaxsys.speculative.bandit import Strategy
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 
   look = Strategy.lookup_chain(cfg["lookup_depth"], cfg["lookup_ngram"])
+  # seed=: the bandit's, as in every engine of the experiment (every run here forces its strategy)
   base = dict(strategies=(look,), max_new=cfg["max_new"], max_prompt=sampler.max_prompt,
               stop_tokens=stops, batch_buckets=cfg["batches"], fused=True,
-              lookup_ref=cfg["lookup_ref"])
+              lookup_ref=cfg["lookup_ref"], seed=reseed(0, seed))
   eng = RolloutEngine(model, None, RolloutConfig(**base, sampling=SamplingParams(cfg["temperature"])))
-  samp = lambda seed: SamplingParams(cfg["temperature"], seed=seed)  # noqa: E731
+  samp = lambda key: SamplingParams(cfg["temperature"], seed=reseed(key, seed))  # noqa: E731
   rows, curve = [], {"batch": []}
   for b in cfg["batches"]:
     tot: dict[str, list[float]] = {}
     t0 = time.perf_counter()
     for k in range(cfg["lookup_sets"]):
-      prompts = prompts_fn(b, np.random.default_rng(1000 * b + k))
+      prompts = prompts_fn(b, np.random.default_rng(reseed(1000 * b + k, seed)))
       g = cfg["group_size"] - 1  # the other responses of a GRPO group, sampled first
       sib = generate(model, [p for p in prompts for _ in range(g)], max_new_tokens=cfg["max_new"],
                      stop_tokens=stops, sampling=samp(500 + k))
@@ -54,7 +60,7 @@ def run(model, sampler, stops, cfg, prompts_fn, out=None) -> tuple[list[Row], di
               "lookup + 3 siblings": dict(force_strategy=look, references=refs)}
       if k == 0:  # compile
         for kw in runs.values():
-          eng.generate(prompts, seed=0, **kw)
+          eng.generate(prompts, seed=reseed(0, seed), **kw)
         generate(model, prompts, max_new_tokens=cfg["max_new"], stop_tokens=stops, sampling=samp(0))
       for rep in range(cfg["repeats"]):
         for name, kw in list(runs.items()) + [("generate", None)]:
@@ -65,7 +71,7 @@ def run(model, sampler, stops, cfg, prompts_fn, out=None) -> tuple[list[Row], di
             t[0] += sum(len(x) - 1 for x in r.tokens)
             t[1] += r.decode_seconds
             continue
-          r = eng.generate(prompts, seed=1 + rep + 10 * k, **kw)
+          r = eng.generate(prompts, seed=reseed(1 + rep + 10 * k, seed), **kw)
           t[0] += sum(len(x) - 1 for x in r.tokens)
           t[1] += r.stats["seconds"]
           if "force_strategy" in kw:
@@ -93,7 +99,7 @@ def run(model, sampler, stops, cfg, prompts_fn, out=None) -> tuple[list[Row], di
     _plot(curve, out / "tlt_lookup.png")
 
   # Greedy losslessness: lookup drafting never changes what is emitted.
-  lp = prompts_fn(cfg["n_lossless"], np.random.default_rng(5))
+  lp = prompts_fn(cfg["n_lossless"], np.random.default_rng(reseed(5, seed)))
   ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
   geng = RolloutEngine(model, None, RolloutConfig(**dict(base, max_new=cfg["lossless_new"],
                                                          batch_buckets=(cfg["n_lossless"],)),
@@ -125,7 +131,7 @@ def _plot(curve, path):
   plt.close(fig)
 
 
-def grpo(model, tok, stops, cfg, out=None) -> tuple[list[Row], dict]:
+def grpo(model, tok, stops, cfg, out=None, seed: int = 0) -> tuple[list[Row], dict]:
   """GRPO with lookup drafting in the long tail vs the vanilla rollout, interleaved, same seeds
   (part ``grpo_lookup``). The task mix has the heavier tail the regime row asks for when the
   rollout share ``f`` is below 0.55: sizes up to ``heavy_items[1]`` and ``heavy_max_new`` new
@@ -133,6 +139,7 @@ def grpo(model, tok, stops, cfg, out=None) -> tuple[list[Row], dict]:
   the long tail's decoding (``speculative`` off / on, one lookup strategy, siblings as references).
   On a 24 GB host start it with ``MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=131072``: measured so,
   it peaked at 12.2 GB; without the mmap threshold it passed 21.5 GB in its second step.
+  ``seed``: the run's ``--seed`` (the task sampler, the bandit, GRPO's sampling and minibatches).
   """
   from flax import nnx
 
@@ -145,17 +152,19 @@ def grpo(model, tok, stops, cfg, out=None) -> tuple[list[Row], dict]:
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
   from jaxsys.speculative.pool import ExecutablePool
 
-  sampler = ChatTaskSampler(tok, items=tuple(cfg["heavy_items"]))
+  sampler = ChatTaskSampler(tok, items=tuple(cfg["heavy_items"]), seed=reseed(0, seed))
   pool = ExecutablePool(max_entries=256)  # both engines share every executable but the tail loop
   look = Strategy.lookup_chain(cfg["lookup_depth"], cfg["lookup_ngram"])
   n = cfg["prompts_per_step"] * cfg["group_size"]
   rcfg = dict(strategies=(look,), max_new=cfg["heavy_max_new"], max_prompt=sampler.max_prompt,
               stop_tokens=stops, batch_buckets=tuple(sorted(set(cfg["batches"]) | {n})),
               spec_threshold=8, sampling=SamplingParams(cfg["temperature"]), fused=True,
-              lookup_ref=cfg["lookup_ref"])
+              lookup_ref=cfg["lookup_ref"], seed=reseed(0, seed))
+  # GRPO's seed is the run's seed itself, not reseed(0, seed): the trainer seeds rollout i with
+  # grpo.seed * 100003 + i, a uint32, which a reseeded value would overflow.
   gcfg = grpo_lib.GRPOConfig(group_size=cfg["group_size"], prompts_per_step=cfg["prompts_per_step"],
                              lr=cfg["grpo_lr"], kl_coef=0.0, length_bucket=cfg["length_bucket"],
-                             seed=0, remat=True, minibatches=4)
+                             seed=seed, remat=True, minibatches=4)
   trainers = {}
   for name, spec in (("vanilla", False), ("lookup", True)):
     policy = nnx.merge(*nnx.split(model))  # each run its own copy, same initial weights

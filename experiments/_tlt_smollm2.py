@@ -39,6 +39,12 @@ with ``MALLOC_ARENA_MAX=2`` in the environment: measured that way it peaked at 1
 ``JAXSYS_TLT_DRAFTER=runs/tlt/drafter_ckpt/smollm2_<time>`` restores a drafter an
 earlier run saved (same settings) instead of training one; only the rollouts GRPO's online
 buffer starts from are then sampled.
+
+``run(out_dir, parts=None, seed=0)``: ``seed`` (the experiment's ``--seed``) moves every prompt
+set, the drafter's initialisation, the rollouts' and GRPO's sampling keys, the drafter buffers,
+the bandit and the task sampler (seed 0: the default table). A drafter restored with
+``JAXSYS_TLT_DRAFTER`` is the one named, whatever seed it was trained under (the path is the
+user's choice; the rollouts after it follow the seed).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import time
 
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "tlt"
@@ -55,10 +62,11 @@ MODEL = "smollm2-135m-instruct"
 
 
 
-def _config() -> dict:
+def _config(seed: int = 0) -> dict:
+  # ``seed``: the run's --seed, recorded; the literal seeds below are reseed(<literal>, seed).
   return dict(temperature=0.7, max_new=160, warm_rollouts=16, warm_batch=8, warm_steps=400,
               draft_vocab=4096, batches=(1, 2, 4, 8), repeats=2, chain=(4, 1, 5), tree=(4, 2, 5),
-              items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=0,
+              items=(2, 48), verify_cache=256, verify_reps=20, n_lossless=8, lossless_new=32, seed=seed,
               # GRPO (part "grpo"): 4 prompts x G=4 per step, 10 steps of each run
               grpo_steps=10, prompts_per_step=4, group_size=4, grpo_lr=1e-6, length_bucket=128,
               spot_steps=16, online_buffer=6, online_lr=5e-4, n_eval=4,
@@ -107,9 +115,10 @@ def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
   return times[1].min, times[5].min
 
 
-def run(out_dir: str, parts=None) -> list[Row]:
+def run(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   """``parts``: names from ``PARTS`` (default all; the drafter warm-up runs unless the parts are
-  among ``regime``, ``lookup`` and ``grpo_lookup``); results go to ``tlt`` or ``tlt_<parts>``."""
+  among ``regime``, ``lookup`` and ``grpo_lookup``); results go to ``tlt`` or ``tlt_<parts>``.
+  ``seed``: the run's ``--seed``, passed to every part."""
   import jax
   from flax import nnx
 
@@ -128,22 +137,22 @@ def run(out_dir: str, parts=None) -> list[Row]:
   parts = tuple(parts or PARTS)
   if set(parts) - set(PARTS):
     raise ValueError(f"parts={list(parts)} must be names among {PARTS}")
-  cfg = _config()
+  cfg = _config(seed)
   name = NAME if parts == PARTS else NAME + "_" + "_".join(parts)
   out = run_dir(name, out_dir)     # plots, the drafter checkpoint and the XLA cache beside result.json
   t_start = time.perf_counter()
   model, tok = load_pretrained(MODEL)
   mc = model.config
   stops = default_stop_tokens(mc, tok)
-  rng = np.random.default_rng(cfg["seed"])
+  rng = np.random.default_rng(reseed(0, seed))  # the warm-up rollouts' prompts
   rows: list[Row] = []
   log: dict = {}
-  sampler = ChatTaskSampler(tok, items=cfg["items"])
+  sampler = ChatTaskSampler(tok, items=cfg["items"], seed=reseed(0, seed))
 
   # ---- 1) regime --------------------------------------------------------------------------
   step_s = None
   if "regime" in parts:
-    probe = _prompts(sampler, 1, np.random.default_rng(1), long_only=True)
+    probe = _prompts(sampler, 1, np.random.default_rng(reseed(1, seed)), long_only=True)
     n_short, n_long = 32, 128
     for n in (n_short, n_long):  # compile both lengths' loops
       generate(model, probe, max_new_tokens=n, stop_tokens=())
@@ -179,11 +188,11 @@ def run(out_dir: str, parts=None) -> list[Row]:
   lookup_curve = None
   if "lookup" in parts:
     lrows, lookup_curve = _tlt_lookup.run(
-        model, sampler, stops, cfg, lambda n, r: _prompts(sampler, n, r, long_only=True), out)
+        model, sampler, stops, cfg, lambda n, r: _prompts(sampler, n, r, long_only=True), out, seed=seed)
     rows += lrows
   lookup_hist = None
   if "grpo_lookup" in parts:
-    lrows, lookup_hist = _tlt_lookup.grpo(model, tok, stops, cfg, out)
+    lrows, lookup_hist = _tlt_lookup.grpo(model, tok, stops, cfg, out, seed=seed)
     rows += lrows
   if not set(parts) - {"regime", "lookup", "grpo_lookup"}:  # nothing below needs the drafter
     write_result(name, rows, config=dict(cfg, model=MODEL, parts=list(parts),
@@ -197,19 +206,20 @@ def run(out_dir: str, parts=None) -> list[Row]:
   max_prompt = sampler.max_prompt  # the longest prompt of the task mixture
   base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=max_prompt,
               stop_tokens=stops, batch_buckets=cfg["batches"], spec_threshold=8, sampling=sampling,
-              fused=True, compilation_cache_dir=str(out / "xla_cache"))
+              fused=True, compilation_cache_dir=str(out / "xla_cache"),
+              seed=reseed(0, seed))  # the bandit's exploration
   pool = ExecutablePool(max_entries=256)
   dcfg = DrafterConfig.for_target(mc, draft_vocab=cfg["draft_vocab"])
-  drafter = EagleDrafter(dcfg, rngs=nnx.Rngs(1))
+  drafter = EagleDrafter(dcfg, rngs=nnx.Rngs(reseed(1, seed)))
   roll = RolloutEngine(model, drafter, RolloutConfig(**base, speculative=False), pool=pool)
-  buffer = online.DrafterBuffer(max_steps=cfg["warm_rollouts"], seed=0)
+  buffer = online.DrafterBuffer(max_steps=cfg["warm_rollouts"], seed=reseed(0, seed))
   lengths, seqs, plens, warm_results = [], [], [], []
   t0 = time.perf_counter()
   # JAXSYS_TLT_DRAFTER=<checkpoint>: a drafter this experiment saved before (same settings)
   # replaces the warm-up training; only the rollouts GRPO's online buffer starts from are sampled.
   saved = os.environ.get("JAXSYS_TLT_DRAFTER")
   for k in range(cfg["online_buffer"] if saved else cfg["warm_rollouts"]):
-    res = roll.generate(_prompts(sampler, cfg["warm_batch"], rng), seed=100 + k)
+    res = roll.generate(_prompts(sampler, cfg["warm_batch"], rng), seed=reseed(100 + k, seed))
     buffer.add(k, res.sequences, res.features, res.prompt_lengths)
     warm_results = (warm_results + [res])[-cfg["online_buffer"]:]  # GRPO's online buffer starts here
     lengths += [len(t) for t in res.tokens]
@@ -226,8 +236,9 @@ def run(out_dir: str, parts=None) -> list[Row]:
   counts = np.bincount(np.concatenate([np.asarray(s)[p:] for s, p in zip(seqs, plens)]),
                        minlength=mc.vocab_size)
   coverage = float(counts[ids].sum() / counts.sum())
-  heldout = online.DrafterBuffer(max_steps=1, seed=1)
-  r_ho = roll.generate(_prompts(sampler, cfg["warm_batch"], np.random.default_rng(99)), seed=7)
+  heldout = online.DrafterBuffer(max_steps=1, seed=reseed(1, seed))
+  r_ho = roll.generate(_prompts(sampler, cfg["warm_batch"], np.random.default_rng(reseed(99, seed))),
+                       seed=reseed(7, seed))
   heldout.add(0, r_ho.sequences, r_ho.features, r_ho.prompt_lengths)
   seq_len = 1 << (max_prompt + cfg["max_new"] - 1).bit_length()
   t0 = time.perf_counter()
@@ -242,7 +253,7 @@ def run(out_dir: str, parts=None) -> list[Row]:
   ho = drafter_loss(drafter, model, *(jax.numpy.asarray(a) for a in heldout.sample(16, seq_len)))[1]
   log["drafter_warm"]["heldout_top1"] = float(ho["top1"])
   # The same trained block drafting through the full head (all 49152 rows).
-  full = EagleDrafter(DrafterConfig.for_target(mc), rngs=nnx.Rngs(1))
+  full = EagleDrafter(DrafterConfig.for_target(mc), rngs=nnx.Rngs(reseed(1, seed)))
   nnx.update(full, nnx.state(drafter, nnx.Param))
   med = float(np.median(lengths))
   rows.append(Row(metric="regime: longest rollout response / median", unit="x",
@@ -262,26 +273,27 @@ def run(out_dir: str, parts=None) -> list[Row]:
     engines = {"reduced": RolloutEngine(model, drafter, RolloutConfig(**base), pool=pool),
                "full": RolloutEngine(model, full, RolloutConfig(**base), pool=pool)}
     for b in cfg["batches"]:
-      prompts = _prompts(sampler, b, np.random.default_rng(10 + b), long_only=True)
+      prompts = _prompts(sampler, b, np.random.default_rng(reseed(10 + b, seed)), long_only=True)
       runs = [("vanilla", "reduced", None), ("chain", "reduced", chain), ("tree", "reduced", tree)]
       if b == 1:
         runs += [("chain", "full", chain), ("tree", "full", tree)]
       tput, acc = {}, {}
 
-      def core(seed):  # the decoding core's vanilla decode: a second baseline, same prompts
+      def core(key):  # the decoding core's vanilla decode: a second baseline, same prompts
         return generate(model, prompts, max_new_tokens=cfg["max_new"], stop_tokens=stops,
-                        sampling=SamplingParams(cfg["temperature"], seed=seed))
+                        sampling=SamplingParams(cfg["temperature"], seed=key))
 
       for name, vocab, strat in runs:  # compile / warm-up each
-        engines[vocab].generate(prompts, seed=0, force_strategy=strat, speculative=strat is not None)
-      core(0)
+        engines[vocab].generate(prompts, seed=reseed(0, seed), force_strategy=strat,
+                                speculative=strat is not None)
+      core(reseed(0, seed))
       for rep in range(cfg["repeats"]):  # interleaved best-of-N
         for name, vocab, strat in runs + [("generate", None, None)]:
           t0 = time.perf_counter()
           if vocab is None:
-            r = core(1 + rep)
+            r = core(reseed(1 + rep, seed))
           else:
-            r = engines[vocab].generate(prompts, seed=1 + rep, force_strategy=strat,
+            r = engines[vocab].generate(prompts, seed=reseed(1 + rep, seed), force_strategy=strat,
                                         speculative=strat is not None)
           key = name if strat is None else f"{name}/{vocab}"
           n_tok = sum(len(t) for t in r.tokens)
@@ -314,7 +326,7 @@ def run(out_dir: str, parts=None) -> list[Row]:
 
   # ---- 4) greedy losslessness -------------------------------------------------------------
   if "lossless" in parts:
-    lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(5))
+    lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(reseed(5, seed)))
     ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
     gbase = dict(base, sampling=GREEDY, max_new=cfg["lossless_new"], batch_buckets=(cfg["n_lossless"],))
     same = 0
@@ -331,7 +343,7 @@ def run(out_dir: str, parts=None) -> list[Row]:
   hist, summary = None, {}
   if "grpo" in parts:
     grpo_rows, hist, summary = _grpo(model, sampler, drafter, warm_results, base, pool, cfg,
-                                     step_s, out)
+                                     step_s, out, seed)
     rows += grpo_rows
   config = dict(cfg, model=MODEL, parts=list(parts), chain=chain.name, tree=tree.name,
                 draft_coverage=coverage, lengths=lengths.tolist(), compilations=pool.compilations,
@@ -342,9 +354,10 @@ def run(out_dir: str, parts=None) -> list[Row]:
   return rows
 
 
-def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out):
+def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out, seed: int = 0):
   """GRPO on the chat tasks, TLT vs the vanilla rollout (``experiments._tlt_grpo``), with the
-  warmed-up drafter; the online buffer starts from the last warm-up rollouts."""
+  warmed-up drafter; the online buffer starts from the last warm-up rollouts. ``seed``: the run's
+  ``--seed``."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -359,26 +372,29 @@ def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out):
   buckets = tuple(sorted(set(cfg["batches"]) | {n}))
   rollout = RolloutConfig(**dict(base, batch_buckets=buckets))
   # lr 1e-6 and no KL term (no reference forward): a pretrained chat model fine-tuned with
-  # GRPO moves in small steps; the comparison is of time per step at equal learning.
+  # GRPO moves in small steps; the comparison is of time per step at equal learning. GRPO's seed
+  # is the run's seed itself, not reseed(0, seed): the trainer seeds rollout i with
+  # grpo.seed * 100003 + i, a uint32, which a reseeded value would overflow.
   tlt_cfg = TLTConfig(grpo=grpo.GRPOConfig(group_size=cfg["group_size"],
                                            prompts_per_step=cfg["prompts_per_step"],
                                            lr=cfg["grpo_lr"], kl_coef=0.0,
-                                           length_bucket=cfg["length_bucket"], seed=0,
+                                           length_bucket=cfg["length_bucket"], seed=seed,
                                            # two policies with Adam in 24 GB: recompute the
                                            # blocks' activations in the backward pass, and
                                            # update on 4 responses at a time
                                            remat=True, minibatches=4),
                       online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
-                      drafter_batch=8, spot_steps=cfg["spot_steps"], synchronous=True)
+                      drafter_batch=8, spot_steps=cfg["spot_steps"], synchronous=True,
+                      buffer_seed=reseed(1, seed))  # TLTConfig's default (1), moved by the run's
 
   def make_tlt(speculative: bool):
     return make_tlt_trainer(model, drafter0, sampler, rollout, tlt_cfg, speculative=speculative,
                             warm_rollouts=warm_results, pool=pool, reward_fn=sampler.reward_fn,
                             pad_id=sampler.pad_id)
 
-  eval_prompts = _prompts(sampler, cfg["n_eval"], np.random.default_rng(9), long_only=True)
+  eval_prompts = _prompts(sampler, cfg["n_eval"], np.random.default_rng(reseed(9, seed)), long_only=True)
   hist = _tlt_grpo.compare(make_tlt, model, drafter0, RolloutConfig(**base), eval_prompts,
-                           Strategy(*cfg["chain"]), pool, cfg["grpo_steps"], tag="tlt/smollm2")
+                           Strategy(*cfg["chain"]), pool, cfg["grpo_steps"], tag="tlt/smollm2", seed=seed)
   rows, summary = _tlt_grpo.rows(hist, cfg["spot_steps"], None if step_s is None else 1e3 * step_s,
                                  label=" (SmolLM2)")
   fig, ax = plt.subplots(1, 2, figsize=(10, 4))

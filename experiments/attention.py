@@ -13,7 +13,8 @@ Measured side by side in one process (b=1, 4 heads, head_dim 64, f32, non-causal
   4. an LServe-shaped prefill (half the heads Sink(64) | Local(256), half causal) vs all causal,
      beside the ideal ratio of key visits.
 
-Run: ``python -m experiments.attention [--quick]`` (quick: up to 8K, fewer repetitions).
+Run: ``python -m experiments.attention [--quick] [--seed S]`` (quick: up to 8K, fewer repetitions;
+``--seed`` draws other Q/K/V and other random block-sparse layouts, seed 0 is the default table).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.bench import compiled_memory, matmul_peak_gflops, time_fn, time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.ops import attention, masks
@@ -33,7 +35,7 @@ HEADS, HEAD_DIM = 4, 64
 MiB = 2 ** 20
 
 
-def _qkv(t, seed=0):
+def _qkv(t, seed):
   ks = jax.random.split(jax.random.key(seed), 3)
   return tuple(jax.random.normal(key, (1, t, HEADS, HEAD_DIM), jnp.float32) for key in ks)
 
@@ -83,7 +85,7 @@ def _sparse_layout(nq, nk, density, seed):
   return lay
 
 
-def run(quick: bool, out_dir: str) -> list[Row]:
+def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   lengths = [1024, 2048, 4096, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
   naive_time_max = 8192                     # naive materialises [heads, t, t] scores and probs
   peer_len = 4096 if quick else 16384
@@ -94,10 +96,13 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   series = {"t": [], "naive_ms": [], "ours_ms": [], "naive_mib": [], "ours_mib": []}
 
   peak = matmul_peak_gflops(2048 if not quick else 1024)
+  # Q/K/V values do not change a time or a memory plan; they follow the seed all the same so that
+  # every random draw of a run does
+  qkv_seed = reseed(0, seed)
 
   # 1. naive dense vs blockwise: time and compiled memory
   for t in lengths:
-    q, k, v = _qkv(t)
+    q, k, v = _qkv(t, qkv_seed)
     ours = _fwd("xla")
     naive = _fwd("reference")
     mem_ours = compiled_memory(ours, q, k, v)["peak_bytes"] / MiB
@@ -125,7 +130,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
                   goal="<= 2.2 (ours)", note="linear = 2, quadratic = 4", ratio=g_naive / g_ours))
 
   # 2. peers at peer_len, forward and forward+backward, non-causal and causal
-  q, k, v = _qkv(peer_len)
+  q, k, v = _qkv(peer_len, qkv_seed)
   ours = {c: (lambda q, k, v, m=masks.Causal() if c else None: attention(q, k, v, impl="xla", mask=m))
           for c in (False, True)}
   peers, notes = _peers()
@@ -143,7 +148,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
     for bwd in (False, True):
       t_len = peer_bwd_len.get(name, peer_len) if bwd else peer_len
       kind = ("causal " if causal else "") + ("forward+backward" if bwd else "forward")
-      qq, kk, vv = (q, k, v) if t_len == peer_len else _qkv(t_len)  # shorter: peer memory-bound
+      qq, kk, vv = (q, k, v) if t_len == peer_len else _qkv(t_len, qkv_seed)  # shorter: peer memory-bound
       f = _fwd_bwd(fn) if bwd else jax.jit(fn)
       mine = _fwd_bwd(ours[causal]) if bwd else jax.jit(ours[causal])
       # timed alternately: shared-machine drift hits both alike
@@ -162,13 +167,13 @@ def run(quick: bool, out_dir: str) -> list[Row]:
 
   # 3. block-sparse layouts at the granularities the systems use (LServe pages and TorchGT tiles
   #    are 64 tokens) vs our dense, forward and forward+backward, beside the ideal 1/density
-  q, k, v = _qkv(sparse_len)
+  q, k, v = _qkv(sparse_len, qkv_seed)
   dense = {False: _fwd("xla"), True: _fwd_bwd(lambda q, k, v: attention(q, k, v, impl="xla"))}
   sparse_pts = {}
   for blk in (64, 128, 256):
     n = sparse_len // blk
     for density in (0.25, 0.1):
-      lay = _sparse_layout(n, n, density, seed=int(density * 100) + blk)
+      lay = _sparse_layout(n, n, density, seed=reseed(int(density * 100) + blk, seed))
       real = float(lay.mean())
       mask = masks.BlockSparse(lay, blk, blk)
       for bwd in (False, True):
@@ -205,7 +210,7 @@ def run(quick: bool, out_dir: str) -> list[Row]:
   write_result(NAME, rows, config={"heads": HEADS, "head_dim": HEAD_DIM, "batch": 1,
                                    "dtype": "float32", "lengths": lengths, "peer_len": peer_len,
                                    "sparse_len": sparse_len, "iters": iters,
-                                   "matmul_peak_gflops": peak},
+                                   "matmul_peak_gflops": peak, "seed": seed},
                quick=quick, out_dir=out_dir)
   return rows
 

@@ -11,6 +11,10 @@
    random steps; lost steps and recovery time per failure; final parameters vs an
    uninterrupted run.
 4. Decoupled evaluation scheduling: makespan of monolithic vs decoupled (trials + LPT).
+
+``run(quick, out_dir, seed=0)``: the gradient-boosting and forecaster seeds, the demo job's model
+and data, the failure schedule and the synthetic evaluation suite are ``reseed(literal, seed)``
+(seed 0: the default table). The Alibaba and Philly traces and their time splits are fixed data.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.cluster import energy, estimators as E, evalsched
 from jaxsys.cluster.insight import InsightEstimator
 from jaxsys.cluster.loaders import load_alibaba
@@ -32,7 +37,7 @@ from jaxsys.core.results import Row, run_dir, write_result
 NAME = "cluster"
 
 
-def scheduling(quick: bool, out, rows, config):
+def scheduling(quick: bool, out, rows, config, seed: int):
   jobs = load_alibaba().runnable()
   train, test = E.split_by_time(jobs, 0.5)
   nodes_main = 3
@@ -40,7 +45,9 @@ def scheduling(quick: bool, out, rows, config):
                 train_jobs=len(train), test_jobs=len(test), cluster=f"{nodes_main} nodes x 8 GPUs")
   t0 = time.perf_counter()
   est = {"history": E.HistoryEstimator().fit(train),
-         "gb": E.GBEstimator(max_iter=100).fit(train),
+         # seed made explicit (the default is 0): sklearn draws the early-stopping split of a
+         # training set over 10K samples with it
+         "gb": E.GBEstimator(max_iter=100, seed=reseed(0, seed)).fit(train),
          "insight": InsightEstimator().fit(train)}
   est["blend"] = E.BlendEstimator(E.HistoryEstimator().fit(train), est["gb"])
   config["estimator_fit_s"] = round(time.perf_counter() - t0, 1)
@@ -97,11 +104,11 @@ def scheduling(quick: bool, out, rows, config):
   return {f"{n}x8/{lb}": {k: round(v, 2) for k, v in m.items()} for (n, lb), m in results.items()}
 
 
-def ces(quick: bool, out, rows, config):
+def ces(quick: bool, out, rows, config, seed: int):
   seq = energy.load_node_sequence()
   cut = len(seq.active) // 2
-  fc = energy.DemandForecaster(horizon=10, max_iter=60 if quick else 150,
-                               stride=10 if quick else 3).fit(seq, cut)
+  fc = energy.DemandForecaster(horizon=10, max_iter=60 if quick else 150, stride=10 if quick else 3,
+                               seed=reseed(0, seed)).fit(seq, cut)  # as gb's: the default 0 made explicit
   pred = fc.forecast(seq)
   mae, mae_last = fc.mae(seq, cut)
   rows.append(Row(metric="CES demand forecast MAE (10-min max active nodes)", unit="nodes (ratio = last-value/ours)",
@@ -134,14 +141,16 @@ def ces(quick: bool, out, rows, config):
   return rep.to_dict()
 
 
-def fault_tolerance(quick: bool, out, rows, config):
+def fault_tolerance(quick: bool, out, rows, config, seed: int):
   from jaxsys.cluster.demo_job import DemoConfig, FailureInjector, train
   from jaxsys.cluster.supervisor import supervise
   steps, n_fail = (30, 3) if quick else (80, 6)
   tmp = tempfile.mkdtemp(prefix="jaxsys_ft_")
-  cfg = lambda d: DemoConfig(ckpt_dir=d, steps=steps, ckpt_every=5)  # noqa: E731
+  # DemoConfig's seed (default 0) draws the model init, the data and the teacher
+  cfg = lambda d: DemoConfig(ckpt_dir=d, steps=steps, ckpt_every=5, seed=reseed(0, seed))  # noqa: E731
   ref = train(cfg(os.path.join(tmp, "ref")), log=lambda m: None)
-  inj = FailureInjector.random(steps, n_fail, kinds=("nccl", "cuda", "ecc", "nan", "dataloader"), seed=7)
+  inj = FailureInjector.random(steps, n_fail, kinds=("nccl", "cuda", "ecc", "nan", "dataloader"),
+                               seed=reseed(7, seed))
   config["fault_injection"] = {"steps": steps, "ckpt_every": 5, "failures": inj.schedule}
   t0 = time.perf_counter()
   rep = supervise(lambda ctx: train(cfg(ctx.ckpt_dir), heartbeat=ctx.heartbeat, injector=inj, log=ctx.log),
@@ -167,8 +176,8 @@ def fault_tolerance(quick: bool, out, rows, config):
   return {"summary": rep.summary()}
 
 
-def eval_scheduling(quick: bool, out, rows, config):
-  suite = evalsched.synthetic_suite(40, seed=0)
+def eval_scheduling(quick: bool, out, rows, config, seed: int):
+  suite = evalsched.synthetic_suite(40, seed=reseed(0, seed))
   models = [f"ckpt{i}" for i in range(8)]
   costs = evalsched.EvalCosts(devices=8, cpu_workers=16, trial_samples=500)
   mono = evalsched.plan_monolithic(models, suite, costs)
@@ -184,15 +193,16 @@ def eval_scheduling(quick: bool, out, rows, config):
   return {"monolithic": mono.makespan, "decoupled": dec.makespan, "lower_bound": lb}
 
 
-def run(quick: bool, out_dir: str) -> list[Row]:
+def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
+  """``seed``: base seed of every part's random draws (0: the default table)."""
   out = run_dir(NAME, out_dir)
   rows: list[Row] = []
-  config: dict = {}
+  config: dict = {"seed": seed}
   extra = {}
   for name, fn in (("scheduling", scheduling), ("ces", ces), ("fault_tolerance", fault_tolerance),
                    ("eval_scheduling", eval_scheduling)):
     t0 = time.perf_counter()
-    extra[name] = fn(quick, out, rows, config)
+    extra[name] = fn(quick, out, rows, config, seed)
     config[f"{name}_s"] = round(time.perf_counter() - t0, 1)
   write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir, extra={"details": extra})
   return rows

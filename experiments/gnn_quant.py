@@ -9,6 +9,10 @@ Measures (all numbers measured here; paper anchors only appear in notes, for com
 3. Sylvie on 8 simulated devices (METIS): bytes per epoch measured from the all_to_all operands
    (1-bit vs fp32), accuracy vs fp32, epoch time with staleness 0 / 1.
 4. PalQuant on scikit-learn digits: W2A2 with G=2 vs plain W4A4 / W2A2 (and FP32).
+
+``run(quick, out_dir, mesh=None, seed=0)``: the model seeds, Sylvie's METIS partition, initial
+parameters and per-epoch dropout / 1-bit rounding keys are ``reseed(literal, seed)`` (seed 0: the
+default table). Cora's public split and the fixed digits split stay the same for every seed.
 """
 
 import time
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.bench import time_fn, time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 
@@ -25,9 +30,9 @@ DEVICES = 8  # simulated CPU devices by default (--devices N)
 MESH_EXAMPLE = "graph=8"
 
 
-def _config(quick: bool) -> dict:
+def _config(quick: bool, seed: int = 0) -> dict:
   return {
-      "seeds": [0] if quick else [0, 1, 2],
+      "seeds": [reseed(i, seed) for i in ([0] if quick else [0, 1, 2])],
       "gcn_epochs": 100 if quick else 200,
       "a2q": {"target_bits": 1.0, "init_feature_bits": 4.0, "init_weight_bits": 4.0,
               "penalty": 0.5, "local_gradient": True},
@@ -37,7 +42,7 @@ def _config(quick: bool) -> dict:
       "sylvie_eval_every": 10 if quick else 5,
       "sylvie_parts": 8,
       "palquant_epochs": 12 if quick else 30,
-      "palquant_seeds": [0] if quick else [0, 1],
+      "palquant_seeds": [reseed(i, seed) for i in ([0] if quick else [0, 1])],
       "palquant_channels": 8 if quick else 16,
       "palquant_lr": 5e-3 if quick else 3e-3,
   }
@@ -59,7 +64,7 @@ def _train_gcn(ds, quant, seed, epochs, init_bits=None, degree_bits=None, degree
   return res
 
 
-def _a2q_section(ds, cfg, out):
+def _a2q_section(ds, cfg, out, seed: int):
   from jaxsys.models.gnn import compression_ratio
   from jaxsys.nn.quantized import A2QConfig
   from jaxsys.quant import a2q
@@ -70,15 +75,15 @@ def _a2q_section(ds, cfg, out):
   da = cfg["degree_aware"]
   deg_bits = degree_aware_bits(deg, da["target_bits"], slope=da["slope"])
   best = None
-  for seed in cfg["seeds"]:
-    fp.append(_train_gcn(ds, None, seed, cfg["gcn_epochs"])["test_acc"])
-    res = _train_gcn(ds, quant, seed, cfg["gcn_epochs"])
+  for model_seed in cfg["seeds"]:
+    fp.append(_train_gcn(ds, None, model_seed, cfg["gcn_epochs"])["test_acc"])
+    res = _train_gcn(ds, quant, model_seed, cfg["gcn_epochs"])
     _, info = res["model"](res["data"].x, res["data"].edges)
     q.append(res["test_acc"])
     bits.append(float(a2q.average_bits(info)))
     ratios.append(compression_ratio(res["model"], info))
     best = best or res
-    dres = _train_gcn(ds, quant, seed, cfg["gcn_epochs"], init_bits=[deg_bits, None],
+    dres = _train_gcn(ds, quant, model_seed, cfg["gcn_epochs"], init_bits=[deg_bits, None],
                       degree_bits=[deg_bits, None], degree_weight=da["weight"])
     dq.append(dres["test_acc"])
   fp_m, q_m, dq_m = 100 * np.mean(fp), 100 * np.mean(q), 100 * np.mean(dq)
@@ -101,11 +106,11 @@ def _a2q_section(ds, cfg, out):
   # Learned bits vs in-degree (first seed's A2Q model).
   _, info = best["model"](best["data"].x, best["data"].edges)
   learned = [np.asarray(a2q.round_bits(b))[:, 0] for b, _ in info]
-  rows.append(_bits_vs_degree(deg, learned, out))
+  rows.append(_bits_vs_degree(deg, learned, out, seed))
   return rows, best, quant
 
 
-def _bits_vs_degree(deg, learned, out):
+def _bits_vs_degree(deg, learned, out, seed: int):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -113,7 +118,7 @@ def _bits_vs_degree(deg, learned, out):
   fig, axes = plt.subplots(1, len(learned), figsize=(5 * len(learned), 3.5))
   rhos = []
   for i, (ax, b) in enumerate(zip(np.atleast_1d(axes), learned)):
-    jitter = np.random.default_rng(0).uniform(-0.15, 0.15, b.size)
+    jitter = np.random.default_rng(reseed(0, seed)).uniform(-0.15, 0.15, b.size)  # plot only
     ax.scatter(deg + 1, b + jitter, s=3, alpha=0.3)
     ud = np.unique(deg)
     ax.plot(ud + 1, [b[deg == d].mean() for d in ud], "r-", lw=1, label="mean")
@@ -179,7 +184,7 @@ def _packing_section(ds, best):
 # ----------------------------------------------------------------------------- 3. Sylvie
 
 
-def _sylvie_section(ds, cfg, out):
+def _sylvie_section(ds, cfg, out, seed: int):
   from jaxsys import graphs
   from jaxsys.core.mesh import make_mesh
   from jaxsys.parallel.graph_comm import (SylvieConfig, SylvieTrainer, build_partition_plan,
@@ -187,11 +192,12 @@ def _sylvie_section(ds, cfg, out):
   p = cfg["sylvie_parts"]
   if len(jax.devices()) < p:
     return [Row("Sylvie", "skipped", None, note=f"needs {p} devices, have {len(jax.devices())}")]
-  parts = graphs.metis_partition(ds.senders, ds.receivers, ds.num_nodes, p)
+  # METIS' seed too: the partition sets the halo, hence the bytes exchanged and the accuracy
+  parts = graphs.metis_partition(ds.senders, ds.receivers, ds.num_nodes, p, seed=reseed(0, seed))
   plan = build_partition_plan(ds.senders, ds.receivers, ds.num_nodes, parts, p)
   mesh = make_mesh({"graph": p})
   dims = (ds.num_features, 16, ds.num_classes)
-  params = init_gcn_params(jax.random.key(0), dims)
+  params = init_gcn_params(jax.random.key(reseed(0, seed)), dims)
   results = {}
   lr = cfg["sylvie_lr"]
   for name, sc in [("fp32", SylvieConfig(quantize=False, lr=lr)),
@@ -203,7 +209,8 @@ def _sylvie_section(ds, cfg, out):
     t0 = time.perf_counter()
     best_val, best_test, curve = -1.0, 0.0, []
     for epoch in range(cfg["sylvie_epochs"]):
-      state, loss = tr.step(state, epoch)
+      # step's second argument keys the epoch's dropout and 1-bit stochastic rounding
+      state, loss = tr.step(state, reseed(epoch, seed))
       if (epoch + 1) % cfg["sylvie_eval_every"] == 0:
         pred = tr.logits(state["params"]).argmax(-1)
         val = float(np.mean(pred[ds.val_mask] == ds.labels[ds.val_mask]))
@@ -212,7 +219,7 @@ def _sylvie_section(ds, cfg, out):
         if val > best_val:
           best_val, best_test = val, test
     wall = time.perf_counter() - t0
-    st = time_fn(lambda s: tr.step(s, 0), state, iters=3)
+    st = time_fn(lambda s: tr.step(s, reseed(0, seed)), state, iters=3)
     results[name] = dict(wire=wire, test=best_test, epoch_ms=st.ms, curve=curve, wall=wall)
   claimed = {q: plan.wire_bytes(dims[:-1], q) for q in (False, True)}
   fp, q0, q1 = results["fp32"], results["1bit_s0"], results["1bit_s1"]
@@ -259,6 +266,8 @@ def _plot_sylvie(results, out):
 
 def _palquant_section(cfg):
   from jaxsys.quant.palquant import PalQuantConfig, load_digits_split, train_digits
+  # the fixed stratified split of the real digits set (train_digits' own default), like Cora's
+  # public split: --seed moves the model seeds only
   data = load_digits_split(0)
   c = cfg["palquant_channels"]
   setups = [("FP32 G=1", PalQuantConfig(groups=1, w_bits=None, a_bits=None, channels=c)),
@@ -278,11 +287,12 @@ def _palquant_section(cfg):
   return rows
 
 
-def run(quick: bool, out_dir: str, mesh: dict | None = None) -> list[Row]:
-  """``mesh``: ``{"graph": P}``, Sylvie's partition count (default 8)."""
+def run(quick: bool, out_dir: str, mesh: dict | None = None, seed: int = 0) -> list[Row]:
+  """``mesh``: ``{"graph": P}``, Sylvie's partition count (default 8). ``seed``: base seed of the
+  model seeds, partition and keys (0: the default table)."""
   from jaxsys import graphs
   from jaxsys.core.errors import ConfigError
-  cfg = _config(quick)
+  cfg = _config(quick, seed)
   if mesh is not None:
     if set(mesh) != {"graph"}:
       raise ConfigError(f"--mesh {mesh}: gnn_quant takes graph=P (Sylvie's partitions)")
@@ -291,18 +301,18 @@ def run(quick: bool, out_dir: str, mesh: dict | None = None) -> list[Row]:
   ds = graphs.load_planetoid("cora", row_normalize=True)
   timings = {}
   t = time.perf_counter()
-  rows, best, _ = _a2q_section(ds, cfg, out)
+  rows, best, _ = _a2q_section(ds, cfg, out, seed)
   timings["a2q_s"] = time.perf_counter() - t
   t = time.perf_counter()
   rows += _packing_section(ds, best)
   timings["packing_s"] = time.perf_counter() - t
   t = time.perf_counter()
-  rows += _sylvie_section(ds, cfg, out)
+  rows += _sylvie_section(ds, cfg, out, seed)
   timings["sylvie_s"] = time.perf_counter() - t
   t = time.perf_counter()
   rows += _palquant_section(cfg)
   timings["palquant_s"] = time.perf_counter() - t
-  write_result(NAME, rows, config={**cfg, "section_seconds": timings,
+  write_result(NAME, rows, config={**cfg, "seed": seed, "section_seconds": timings,
                                    "devices": len(jax.devices())},
                quick=quick, out_dir=out_dir)
   return rows

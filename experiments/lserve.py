@@ -21,6 +21,11 @@
   python -m experiments.lserve --quick                 # (a)-(e), scaled down
   python -m experiments.lserve                         # everything, SmolLM2 included
   python -m experiments.lserve --parts smollm2         # one part alone -> lserve_smollm2/
+  python -m experiments.lserve --quick --seed 1        # other random caches, weights, prompts
+
+``run(quick, out_dir, parts=None, seed=0)``: ``--seed S`` draws other random Q/K/V and caches,
+engine weights and prompts, evaluation examples and gate-learning data and initialisation (seed
+0: the default table); the tiny trained model and SmolLM2 are fixed checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.serving import lserve
@@ -136,7 +142,9 @@ def _paged_inputs(kd, vd):
   return to_pages(kd), to_pages(vd), idx
 
 
-def bench_decode(contexts, iters) -> tuple[list[Row], dict]:
+def bench_decode(contexts, iters, seed: int = 0) -> tuple[list[Row], dict]:
+  """(a) decode attention time per step vs context, dense vs LServe; ``seed``: the run's ``--seed``
+  (the random query and caches)."""
   from jaxsys.core.bench import bandwidth_probe
   from jaxsys.ops.paged_attention import paged_decode_attention
   rows, curve = [], {"ctx": [], "dense_ms": [], "lserve_ms": [], "ideal": []}
@@ -144,7 +152,7 @@ def bench_decode(contexts, iters) -> tuple[list[Row], dict]:
   paged = jax.jit(lambda q, k, v, i, n: paged_decode_attention(q, k, v, i, i, n, impl="xla"))
   for ctx in contexts:
     c = _cache_config(ctx)
-    key = jax.random.PRNGKey(ctx)
+    key = jax.random.PRNGKey(reseed(ctx, seed))
     q = jax.random.normal(key, (1, HEADS, HEAD_DIM), jnp.float32)
     kd = jax.random.normal(jax.random.fold_in(key, 7), (1, KV_HEADS, ctx, HEAD_DIM), jnp.float32)
     vd = jax.random.normal(jax.random.fold_in(key, 8), (1, KV_HEADS, ctx, HEAD_DIM), jnp.float32)
@@ -208,8 +216,9 @@ def memory_rows(ctx: int = 65536) -> list[Row]:
               note="ratio = dense/LServe int8 (per-token scales)")]
 
 
-def prefill_rows(quick: bool) -> list[Row]:
-  """(b) prefill attention with the hybrid per-head mask vs dense causal, and its ideal."""
+def prefill_rows(quick: bool, seed: int = 0) -> list[Row]:
+  """(b) prefill attention with the hybrid per-head mask vs dense causal, and its ideal; ``seed``:
+  the run's ``--seed`` (the random Q/K/V)."""
   from jaxsys.ops import attention, masks
   from jaxsys.ops.attn import layout as layout_lib
   from jaxsys.serving.prefill import hybrid_attention
@@ -222,7 +231,7 @@ def prefill_rows(quick: bool) -> list[Row]:
                         streaming=(tuple(h >= kv // 2 for h in range(kv)),))
   rows = []
   for t in lengths:
-    key = jax.random.PRNGKey(t)
+    key = jax.random.PRNGKey(reseed(t, seed))
     q = jax.random.normal(key, (1, t, heads, HEAD_DIM), jnp.float32)
     k = jax.random.normal(jax.random.fold_in(key, 1), (1, t, kv, HEAD_DIM), jnp.float32)
     v = jax.random.normal(jax.random.fold_in(key, 2), (1, t, kv, HEAD_DIM), jnp.float32)
@@ -243,8 +252,9 @@ def prefill_rows(quick: bool) -> list[Row]:
   return rows
 
 
-def engine_rows(quick: bool) -> list[Row]:
-  """(d) end-to-end decode tokens/s of the engine, dense vs LServe (random weights)."""
+def engine_rows(quick: bool, seed: int = 0) -> list[Row]:
+  """(d) end-to-end decode tokens/s of the engine, dense vs LServe (random weights); ``seed``: the
+  run's ``--seed`` (the weights and the prompt)."""
   from jaxsys.models._decoder_config import DecoderConfig
   from jaxsys.models.decoder import random_model
   from jaxsys.serving import ServingEngine, ServingConfig
@@ -253,8 +263,8 @@ def engine_rows(quick: bool) -> list[Row]:
   mc = DecoderConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_layers=2,
                      num_heads=KV_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                      max_position_embeddings=2 * ctx)
-  model = random_model(mc, seed=0)
-  prompt = np.random.default_rng(0).integers(0, 256, ctx - 1).tolist()
+  model = random_model(mc, seed=reseed(0, seed))
+  prompt = np.random.default_rng(reseed(0, seed)).integers(0, 256, ctx - 1).tolist()
   flags = [[h >= KV_HEADS // 2 for h in range(KV_HEADS)]] * mc.num_layers
   tps = {}
   for name, ls, streaming in (("dense", lserve.LServeConfig(dense=True), None),
@@ -301,12 +311,13 @@ def _accuracy(model, exs, ls, streaming, max_batch=8) -> float:
   return 100.0 * float(np.mean([synthetic.reward(e, t) for e, t in zip(exs, res.tokens)]))
 
 
-def load_eval_model(quick: bool):
+def load_eval_model(quick: bool, seed: int = 0):
   """The tiny trained model, the retrieval task and the longest context (1x/2x/4x its training
   length, linear RoPE interpolation) where dense accuracy is >= 90%.
 
   The task is passkey, or multi-query associative recall (needles in a haystack as well) if the
   model does not solve passkey at its training length. Returns ``(model, task, ctx, note)``.
+  ``seed``: the run's ``--seed`` (the probe examples; the checkpoint is fixed).
   """
   from jaxsys.data import synthetic
   from jaxsys.models.tiny import exact_match, load_tiny_lm
@@ -316,34 +327,37 @@ def load_eval_model(quick: bool):
   except Exception as e:  # noqa: BLE001 - reported in the result rows
     return None, None, 0, f"tiny model unavailable: {type(e).__name__}: {e}"
   train_len = base.config.max_position_embeddings
-  at_train = {t: exact_match(base, synthetic.examples(t, 5, 32, train_len)) for t in ("passkey", "recall")}
+  probe = reseed(5, seed)  # the probe examples' seed (5 at --seed 0)
+  at_train = {t: exact_match(base, synthetic.examples(t, probe, 32, train_len))
+              for t in ("passkey", "recall")}
   task = "passkey" if at_train["passkey"] >= 0.5 or at_train["passkey"] >= at_train["recall"] else "recall"
   tried = [f"{t} @{train_len}: {100 * a:.0f}%" for t, a in at_train.items()]
   for factor in ((4, 2) if quick else (8, 4, 2)):
     model = load_tiny_lm(rope=RopeConfig(kind="linear", factor=float(factor)))
     ctx = train_len * factor
-    acc = exact_match(model, synthetic.examples(task, 5, 32, ctx))
+    acc = exact_match(model, synthetic.examples(task, probe, 32, ctx))
     tried.append(f"{task} @{ctx} (linear x{factor}): {100 * acc:.0f}%")
     if acc >= 0.9:
       return model, task, ctx, "dense teacher-forced accuracy " + ", ".join(tried)
   return base, task, train_len, "dense teacher-forced accuracy " + ", ".join(tried)
 
 
-def accuracy_rows(quick: bool, out) -> list[Row]:
-  """(e) passkey accuracy: dense, streaming-only, page-selection-only, LServe (scaled settings)."""
+def accuracy_rows(quick: bool, out, seed: int = 0) -> list[Row]:
+  """(e) passkey accuracy: dense, streaming-only, page-selection-only, LServe (scaled settings);
+  ``seed``: the run's ``--seed`` (the examples, the gates' training data and initialisation)."""
   import json
   from jaxsys.serving.streaming import identify_streaming_heads
-  model, task, ctx, why = load_eval_model(quick)
+  model, task, ctx, why = load_eval_model(quick, seed)
   if model is None:
     return [Row("passkey accuracy (tiny model)", "%", ours=None, note=f"not measured: {why}")]
   page, lps, sink, window = 16, 4, 16, max(16, ctx // 16)
   n = 32 if quick else 128
-  exs, _ = passkey_data(n, ctx, seed=7, task=task)
-  _, train = passkey_data(16 if quick else 64, min(ctx, 512), seed=11, task=task)
+  exs, _ = passkey_data(n, ctx, seed=reseed(7, seed), task=task)
+  _, train = passkey_data(16 if quick else 64, min(ctx, 512), seed=reseed(11, seed), task=task)
   # DuoAttention's streaming fraction is model dependent: the speed benchmark uses 50 %; a model
   # with 12 kv heads has few redundant heads, so 25 % is measured too (both reported)
   gates = {sp: identify_streaming_heads(model, train, sink=sink, window=window, sparsity=sp,
-                                        steps=30 if quick else 100, batch_size=4)
+                                        steps=30 if quick else 100, batch_size=4, seed=reseed(0, seed))
            for sp in STREAMING_FRACTIONS}
   (out / "gates.json").write_text(json.dumps({str(sp): {"alpha": g.alpha, "streaming": g.streaming}
                                               for sp, g in gates.items()}))
@@ -418,9 +432,10 @@ def _plot(curve, out):
 PARTS = ("decode", "memory", "prefill", "engine", "accuracy", "smollm2")
 
 
-def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
+def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   """``parts``: names from ``PARTS`` to run alone (written as ``lserve_<parts>``). ``smollm2``
-  (the real model, ``experiments/_lserve_smollm2.py``) runs in the full mode only."""
+  (the real model, ``experiments/_lserve_smollm2.py``) runs in the full mode only. ``seed``: the
+  run's ``--seed``, passed to every part with random inputs."""
   parts = tuple(parts or PARTS)
   if set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
@@ -430,29 +445,29 @@ def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
   out = run_dir(name, out_dir)
   rows, details = [], {}
   if "decode" in parts:
-    decode, curve = bench_decode(contexts, iters)
+    decode, curve = bench_decode(contexts, iters, seed)
     _plot(curve, out)
     rows += decode
   if "memory" in parts:
     rows += memory_rows()
   if "prefill" in parts:
-    rows += prefill_rows(quick)
+    rows += prefill_rows(quick, seed)
   if "engine" in parts:
-    rows += engine_rows(quick)
+    rows += engine_rows(quick, seed)
   if "accuracy" in parts:
-    rows += accuracy_rows(quick, out)
+    rows += accuracy_rows(quick, out, seed)
   if "smollm2" in parts:
     if quick:
       rows.append(Row("SmolLM2 passkey / 8K speed rows", "", ours=None,
                       note="full mode only: python -m experiments.lserve --parts smollm2"))
     else:
       from experiments import _lserve_smollm2
-      rows += _lserve_smollm2.run(out, details)
+      rows += _lserve_smollm2.run(out, details, seed)
   write_result(name, rows, quick=quick, out_dir=out_dir, extra={"details": details} if details else None,
                config={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page": PAGE,
                        "logical_page": LOGICAL, "budget": BUDGET, "reuse": REUSE, "sink": SINK,
                        "window": WINDOW, "contexts": list(contexts), "dtype": "float32",
-                       "parts": list(parts)})
+                       "parts": list(parts), "seed": seed})
   return rows
 
 

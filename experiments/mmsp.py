@@ -10,7 +10,8 @@ For ring (contiguous), zigzag ring, Ulysses, 2D hybrid (ring x Ulysses) and all-
    training step (loss + gradients) under each strategy;
 4. per-rank work imbalance (max/mean attention FLOPs) for causal attention.
 
-Goal: hybrid communicates no more than ring and runs faster than ring.
+Goal: hybrid communicates no more than ring and runs faster than ring. ``--seed S`` draws other
+Q/K/V, decoder weights and tokens (seed 0: the default table).
 """
 
 import functools
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from experiments._cli import reseed
 from jaxsys.core.bench import time_interleaved
 from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import make_mesh
@@ -111,9 +113,10 @@ def _train_fn(attn):
   return step
 
 
-def measure_strategy(label, b, lengths, h, hk, d, time_len, iters, dtype=jnp.float32):
+def measure_strategy(label, b, lengths, h, hk, d, time_len, iters, dtype=jnp.float32, seed: int = 0):
   """Compiles one attention-layer training step per length; reads collectives and peak memory
-  from the compiled program and times it at ``time_len`` (one compile serves all three)."""
+  from the compiled program and times it at ``time_len`` (one compile serves all three).
+  ``seed``: the run's ``--seed`` (the timed Q/K/V)."""
   strategy, shape = SETUPS[label]
   mesh = _mesh(shape)
   plan = api.make_plan(mesh, strategy)
@@ -135,7 +138,7 @@ def measure_strategy(label, b, lengths, h, hk, d, time_len, iters, dtype=jnp.flo
     res["peak_bytes"][s] = None if mem is None else int(
         mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
     if s == time_len:
-      key = jax.random.PRNGKey(0)
+      key = jax.random.PRNGKey(reseed(0, seed))
       q = jax.device_put(jax.random.normal(key, (b, s, h, d), dtype), sh)
       k = jax.device_put(jax.random.normal(key, (b, s, hk, d), dtype), sh)
       res["_timed"] = (fn, (q, k, k))  # timed round-robin across strategies in run()
@@ -148,8 +151,9 @@ def best_ms(programs: dict, rounds: int) -> dict:
   return {k: t.ms for k, t in time_interleaved(programs, rounds=rounds).items()}
 
 
-def measure_decoder_step(labels, s, iters, heads=8):
-  """Loss + gradients of a small decoder under each strategy (zigzag data done once)."""
+def measure_decoder_step(labels, s, iters, heads=8, seed: int = 0):
+  """Loss + gradients of a small decoder under each strategy (zigzag data done once). ``seed``: the
+  run's ``--seed`` (tokens and weights; every strategy gets the same ones)."""
   from flax import nnx
 
   from jaxsys.models.decoder import Decoder, DecoderConfig
@@ -157,13 +161,13 @@ def measure_decoder_step(labels, s, iters, heads=8):
 
   cfg = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=heads, num_kv_heads=heads)
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, s + 1), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(reseed(1, seed)), (1, s + 1), 0, cfg.vocab_size)
   out = {}
   for label in labels:
     strategy, shape = SETUPS[label]
     mesh = _mesh(shape)
     plan = api.make_plan(mesh, strategy)
-    model = Decoder(cfg, rngs=nnx.Rngs(0), attention_fn=functools.partial(
+    model = Decoder(cfg, rngs=nnx.Rngs(reseed(0, seed)), attention_fn=functools.partial(
         api.sequence_parallel_attention, mesh=mesh, strategy=strategy, tokens_reordered=True,
         impl=IMPL["impl"]))
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:],
@@ -269,7 +273,7 @@ def _plots(out, res, budget, dec_times, imb, comm_s):
   plt.close(fig)
 
 
-def run(quick: bool, out_dir: str, mesh: dict | None = None, dtype: str = "float32"):
+def run(quick: bool, out_dir: str, mesh: dict | None = None, dtype: str = "float32", seed: int = 0):
   """``mesh``: e.g. ``{"ring": 2, "ulysses": 4}`` (the hybrid's shape) or ``{"ulysses": 8}``;
   default: every strategy over all devices with hybrids 2 x P/2 and P/2 x 2."""
   n = jax.device_count()
@@ -294,11 +298,12 @@ def run(quick: bool, out_dir: str, mesh: dict | None = None, dtype: str = "float
   jdtype = jnp.dtype(dtype)
 
   impl, impl_error = _pick_impl()
-  res = {label: measure_strategy(label, b, lengths, h, hk, d, time_s, iters, jdtype) for label in SETUPS}
+  res = {label: measure_strategy(label, b, lengths, h, hk, d, time_s, iters, jdtype, seed=seed)
+         for label in SETUPS}
   step_ms = best_ms({k: v.pop("_timed") for k, v in res.items()}, rounds=2 * iters + 1)
   for label, ms in step_ms.items():
     res[label]["step_ms"] = ms
-  dec_times = measure_decoder_step(dec_labels, dec_s, iters, heads=h)
+  dec_times = measure_decoder_step(dec_labels, dec_s, iters, heads=h, seed=seed)
   imb = imbalance(comm_s, h)
   fits = {k: longest_fit(v["peak_bytes"], budget) for k, v in res.items()}
   hlo = {k: v["hlo_train"][comm_s] for k, v in res.items()}
@@ -342,7 +347,7 @@ def run(quick: bool, out_dir: str, mesh: dict | None = None, dtype: str = "float
             "memory_lengths": lengths, "budget_mib": budget / MiB, "time_seq": time_s,
             "decoder_seq": dec_s, "devices": jax.device_count(), "dtype": dtype, "mesh": mesh,
             "mask": "causal", "setups": {k: list(v[1]) for k, v in SETUPS.items()},
-            "attention_impl": impl, "auto_impl_error": impl_error}
+            "attention_impl": impl, "auto_impl_error": impl_error, "seed": seed}
   extra = {"per_strategy": {k: {kk: ({str(a): b_ for a, b_ in vv.items()} if isinstance(vv, dict) else vv)
                                 for kk, vv in v.items()} for k, v in res.items()},
            "fits_in_budget": fits, "decoder_step_ms": dec_times, "imbalance": imb}

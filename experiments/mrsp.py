@@ -1,16 +1,20 @@
 """LongVILA-R1 MR-SP: video GRPO with cached vision embeddings and sequence-parallel passes.
 
-``python -m experiments.mrsp [--quick]`` (8 simulated CPU devices by default), or
-``jaxsys reproduce --only mrsp``.
+``python -m experiments.mrsp [--quick] [--mesh ulysses=U] [--seed S]`` (8 simulated CPU devices by
+default), or ``jaxsys reproduce --only mrsp``; ``run(quick, out_dir, parts=None, mesh=None, seed=0)``.
+
+``--mesh ulysses=U``: the sequence-parallel mesh of ``cached_sp`` (default every device; video
+GRPO's SP is Ulysses only, and U must divide the LMs' 8 heads). ``--seed S`` draws another visual
+world, other task videos, initial weights, rollouts and held-out sets (seed 0: the default table).
 
 1. Time per RL step (rollout with a shared prefill, old and reference log-probs, update) vs
    frame count for ``recompute`` (re-encode the frames in every pass), ``cached`` (stage 1) and
-   ``cached_sp`` (stage 1 + Ulysses SP over 8 devices), timed interleaved in one process; and
+   ``cached_sp`` (stage 1 + Ulysses SP over U = 8 devices), timed interleaved in one process; and
    the frame encoder's share of the baseline step. Goal: ``cached`` >= 1.8x ``recompute`` at the
    two largest frame counts.
 2. Compiled peak memory per device of one update micro-batch (forward + backward; the
    compiler's plan, nothing allocated) vs frame count for the three modes, and the largest
-   frame count that fits a fixed per-device budget. Goal: ``cached_sp`` on 8 devices fits
+   frame count that fits a fixed per-device budget. Goal: ``cached_sp`` on U = 8 devices fits
    >= 4x the frames of ``cached`` on 1.
 3. RL: a VLM warmed up by a supervised phase that stops at ``SFT_TARGET`` validation accuracy,
    then GRPO in ``cached_sp`` mode (60 steps quick, 160 full) on the verifiable video QA tasks
@@ -30,7 +34,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments._cli import reseed
 from jaxsys.core.bench import time_fn, time_interleaved
+from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import make_mesh
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.data import video
@@ -42,16 +48,18 @@ from jaxsys.rl import video_tasks as vt
 
 NAME = "mrsp"
 DEVICES = 8
+MESH_EXAMPLE = "ulysses=8"
 MODES = ("recompute", "cached", "cached_sp")
 BUDGET_MIB = 64  # fixed per-device memory budget of part 2
 
 
-def _setup():
+def _setup(seed: int = 0):
   # The encoder works on 16 patches per frame (8x the LM's 2 tokens per frame) through 6 blocks,
   # so encoding is more than half of the baseline step at every frame count, as the ViT is for
   # LongVILA-R1 (where caching alone gives ~2x). With 4 blocks its share fell from 0.65 at 32
   # frames to 0.45 at 512, where the LM's attention over 1027-token rows dominates.
-  spec = video.VideoSpec(patches=16, patch_dim=16)
+  # The spec's seed fixes the visual world (marker and glyph prototypes): data, so it follows --seed.
+  spec = video.VideoSpec(patches=16, patch_dim=16, seed=reseed(video.VideoSpec.seed, seed))
   cfg = VLMConfig(patches=16, patch_dim=16, tokens_per_frame=2, vision_hidden=64, vision_layers=6,
                   vision_heads=4,
                   lm=DecoderConfig(vocab_size=vt.VOCAB, hidden_size=64, intermediate_size=128,
@@ -59,23 +67,47 @@ def _setup():
   return spec, cfg
 
 
-def _trainers(model, tasks, mesh, **kw):
-  return {m: vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode=m, **kw),
+def sp_axes(mesh: dict | None, devices: int) -> dict:
+  """The ``--mesh`` of the ``cached_sp`` passes, checked: ``{"ulysses": U}``, default every device."""
+  axes = dict(mesh or {"ulysses": devices})
+  if set(axes) - {"ulysses"}:
+    raise ConfigError(f"--mesh {axes}: mrsp takes ulysses=U (video GRPO's sequence parallelism is "
+                      "Ulysses only)")
+  need = axes["ulysses"]
+  if devices < need:
+    raise ConfigError(f"mrsp's mesh {axes} needs {need} devices; found {devices}. On CPU: "
+                      f"--devices {need} (simulated); on GPUs/TPUs use more chips or a smaller --mesh")
+  heads = {c.lm.num_heads for c in (_setup()[1], rl_setup()[1])}
+  if any(h % need for h in heads):  # Ulysses gives each device whole heads
+    raise ConfigError(f"--mesh {axes}: Ulysses splits the LMs' {sorted(heads)} attention heads, so U "
+                      "must divide them")
+  return axes
+
+
+def _grpo_seed(seed: int) -> int:
+  # The run's seed itself, not reseed(0, seed): the trainer seeds rollout i with
+  # grpo.seed * 100003 + i, an int32, which a reseeded value (100003 * seed) would overflow.
+  return seed
+
+
+def _trainers(model, tasks, mesh, seed: int = 0, **kw):
+  grpo = dataclasses.replace(kw.pop("grpo", vg.RECIPE), seed=_grpo_seed(seed))
+  return {m: vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode=m, grpo=grpo, **kw),
                                  mesh=mesh if m == "cached_sp" else None) for m in MODES}
 
 
-def timing(quick, rows, config, out):
-  spec, cfg = _setup()
-  mesh = make_mesh({"ulysses": jax.device_count()})
-  model = VLM(cfg, rngs=nnx.Rngs(0))
+def timing(quick, rows, config, out, axes, seed):
+  spec, cfg = _setup(seed)
+  mesh = make_mesh(axes)
+  model = VLM(cfg, rngs=nnx.Rngs(reseed(0, seed)))
   frames = [16, 32, 64, 128] if quick else [32, 64, 128, 256, 512]
   rounds = 3 if quick else 5
   config.update(time_frames=frames, time_rounds=rounds)
   res = {m: [] for m in MODES}
   share = []
   for f in frames:
-    tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=0)
-    tr = _trainers(model, tasks, mesh)
+    tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=reseed(0, seed))
+    tr = _trainers(model, tasks, mesh, seed)
     ex = tasks.sample(tr["cached"].config.grpo.prompts_per_step)
     t = time_interleaved({m: (lambda m=m: tr[m].step(ex)) for m in MODES}, rounds=rounds)
     for m in MODES:
@@ -96,20 +128,21 @@ def timing(quick, rows, config, out):
     rows.append(Row(metric=f"RL step time @{f} frames: cached", unit="s", baseline_name="recompute",
                     baseline=res["recompute"][i], ours=res["cached"][i], goal=">= 1.8" if big else None,
                     note=f"encoder share of the recompute step {share[i]:.2f}"))
-    rows.append(Row(metric=f"RL step time @{f} frames: cached_sp ({jax.device_count()} devices)", unit="s",
+    rows.append(Row(metric=f"RL step time @{f} frames: cached_sp ({axes['ulysses']} devices)", unit="s",
                     baseline_name="recompute", baseline=res["recompute"][i], ours=res["cached_sp"][i],
-                    note="8 simulated devices share the 2 CPU cores"))
+                    note=f"{axes['ulysses']} simulated devices share the 2 CPU cores"))
   _plot(out / "step_time.png", frames, res, "frames", "seconds per RL step", "RL step time")
   config["step_seconds"] = {m: [round(x, 4) for x in v] for m, v in res.items()}
   config["encoder_share_recompute"] = [round(x, 3) for x in share]
 
 
-def memory(quick, rows, config, out):
-  spec, cfg = _setup()
-  mesh = make_mesh({"ulysses": jax.device_count()})
-  model = VLM(cfg, rngs=nnx.Rngs(0))
+def memory(quick, rows, config, out, axes, seed):
+  # Compiled memory plans depend on shapes only; the seed is threaded for uniformity.
+  spec, cfg = _setup(seed)
+  mesh = make_mesh(axes)
+  model = VLM(cfg, rngs=nnx.Rngs(reseed(0, seed)))
   frames = [64, 256, 1024] if quick else [64, 128, 256, 512, 1024, 2048, 4096]
-  tr = _trainers(model, vt.VideoTaskSampler(spec, n_frames=frames[0]), mesh)
+  tr = _trainers(model, vt.VideoTaskSampler(spec, n_frames=frames[0], seed=reseed(0, seed)), mesh, seed)
   mb = tr["cached"].config.grpo.prompts_per_step * tr["cached"].config.grpo.group_size
   peak = {m: [] for m in MODES}
   for f in frames:
@@ -125,12 +158,13 @@ def memory(quick, rows, config, out):
     return max(fit) if fit else 0
 
   top = {m: largest(m) for m in MODES}
+  u = axes["ulysses"]
   for f, a, b, c in zip(frames, peak["recompute"], peak["cached"], peak["cached_sp"]):
-    rows.append(Row(metric=f"peak memory per device @{f} frames: cached_sp (8) vs cached (1)",
+    rows.append(Row(metric=f"peak memory per device @{f} frames: cached_sp ({u}) vs cached (1)",
                     unit="MiB (ratio = cached/cached_sp)", baseline_name="cached", baseline=b, ours=c,
                     ratio=b / c, note=f"recompute {a:.1f} MiB"))
   capped = top["cached_sp"] == frames[-1]
-  rows.append(Row(metric=f"largest frame count in {BUDGET_MIB} MiB/device: cached_sp (8) vs cached (1)",
+  rows.append(Row(metric=f"largest frame count in {BUDGET_MIB} MiB/device: cached_sp ({u}) vs cached (1)",
                   unit="frames (ratio = ours/baseline)", baseline_name="cached", baseline=top["cached"],
                   ours=top["cached_sp"], ratio=top["cached_sp"] / max(top["cached"], 1), goal=">= 4",
                   note=(f"recompute fits {top['recompute']}" + ("; cached_sp fits the largest count tried"
@@ -139,11 +173,11 @@ def memory(quick, rows, config, out):
         hline=BUDGET_MIB)
 
 
-def rl_setup():
+def rl_setup(seed: int = 0):
   # The RL part asks whether GRPO improves a policy, so it needs a warm-up that can read the
   # glyphs within a CPU budget: the default small world (4 patches of 8 features, 8 glyph
-  # classes) and 8 frames; 8 LM heads for Ulysses over 8 devices.
-  spec = video.VideoSpec()
+  # classes) and 8 frames; 8 LM heads for Ulysses over 8 devices. Its prototypes follow --seed.
+  spec = video.VideoSpec(seed=reseed(video.VideoSpec.seed, seed))
   cfg = VLMConfig(lm=dataclasses.replace(VLMConfig().lm, vocab_size=vt.VOCAB, num_heads=8, num_kv_heads=8,
                                          max_position_embeddings=4096))
   return spec, cfg
@@ -163,12 +197,12 @@ SFT_CHECK_EVERY = 50
 RL_GRPO = dataclasses.replace(vg.RECIPE, prompts_per_step=8, group_size=8, minibatches=4, lr=1e-4)
 
 
-def rl(quick, rows, config, out):
-  spec, cfg = rl_setup()
+def rl(quick, rows, config, out, axes, seed):
+  spec, cfg = rl_setup(seed)
   f = 8
   sft_max, rl_steps = (3000, 60) if quick else (3000, 160)
-  tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=0)
-  val = vt.VideoTaskSampler(spec, n_frames=f, seed=55).sample(96)
+  tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=reseed(0, seed))
+  val = vt.VideoTaskSampler(spec, n_frames=f, seed=reseed(55, seed)).sample(96)
   checks = []
 
   def competent(m):  # greedy validation accuracy of the warm-up so far
@@ -176,25 +210,29 @@ def rl(quick, rows, config, out):
     return checks[-1] >= SFT_TARGET
 
   t0 = time.perf_counter()
-  model, sft_loss = vg.pretrain_video_policy(VLM(cfg, rngs=nnx.Rngs(0)), tasks, steps=sft_max, batch=32,
-                                             lr=5e-3, until=competent, check_every=SFT_CHECK_EVERY)
+  model, sft_loss = vg.pretrain_video_policy(VLM(cfg, rngs=nnx.Rngs(reseed(0, seed))), tasks, steps=sft_max,
+                                             batch=32, lr=5e-3, seed=reseed(0, seed), until=competent,
+                                             check_every=SFT_CHECK_EVERY)
   sft_steps = SFT_CHECK_EVERY * len(checks)
   config.update(rl_frames=f, sft_steps=sft_steps, sft_target=SFT_TARGET, sft_val_accuracy=checks,
                 sft_loss=round(sft_loss, 4), rl_steps=rl_steps, sft_seconds=round(time.perf_counter() - t0, 1))
   print(f"[mrsp] warm-up: {sft_steps} steps, validation accuracy {checks[-1]:.2f}", flush=True)
-  mesh = make_mesh({"ulysses": jax.device_count()})
-  tr = vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached_sp", grpo=RL_GRPO), mesh=mesh)
-  rng = np.random.default_rng(123)
+  mesh = make_mesh(axes)
+  grpo = dataclasses.replace(RL_GRPO, seed=_grpo_seed(seed))
+  tr = vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached_sp", grpo=grpo), mesh=mesh)
+  rng = np.random.default_rng(reseed(123, seed))
   depths = [0.0, 0.25, 0.5, 0.75, 1.0]
   per = 16 if quick else 32
-  held = vt.VideoTaskSampler(spec, n_frames=f, seed=77).sample(192 if quick else 384)
+  held = vt.VideoTaskSampler(spec, n_frames=f, seed=reseed(77, seed)).sample(192 if quick else 384)
   needles = [vt.make_example(spec, rng, "needle", f, depth=d) for d in depths for _ in range(per)]
 
+  eval_seed = reseed(999, seed)  # the same sampling key before and after RL
+
   def evaluate():
-    e = {"greedy": tr.evaluate(held), "sampled": tr.evaluate(held, sampled=True, seed=999)}
+    e = {"greedy": tr.evaluate(held), "sampled": tr.evaluate(held, sampled=True, seed=eval_seed)}
     e["kinds"] = {k: float(np.mean([h for x, h in zip(held, e["sampled"]["hits"]) if x.kind == k]))
                   for k in vt.KINDS}
-    hits = tr.evaluate(needles, sampled=True, seed=999)["hits"].reshape(len(depths), per).mean(1)
+    hits = tr.evaluate(needles, sampled=True, seed=eval_seed)["hits"].reshape(len(depths), per).mean(1)
     return e, hits
 
   before, nb = evaluate()
@@ -270,17 +308,20 @@ def _plot(path, xs, series, xlabel, ylabel, title, hline=None):
 PARTS = ("time", "memory", "rl")
 
 
-def run(quick: bool = False, out_dir=None, parts=None) -> list[Row]:
+def run(quick: bool = False, out_dir=None, parts=None, mesh: dict | None = None, seed: int = 0) -> list[Row]:
+  """``mesh``: the ``cached_sp`` passes' ``{"ulysses": U}`` (default every device); ``seed``: the
+  run's ``--seed`` (every part gets it)."""
+  axes = sp_axes(mesh, jax.device_count())  # before any part: a bad --mesh fails at once
   parts = parts or PARTS
   name = NAME if tuple(parts) == PARTS else f"{NAME}_{'_'.join(parts)}"
   out = run_dir(name, out_dir)
   rows: list[Row] = []
-  config = {"devices": jax.device_count(), "modes": MODES,
+  config = {"devices": jax.device_count(), "mesh": axes, "seed": seed, "modes": MODES,
             "machine": f"{os.cpu_count()}-core CPU; ratios are measured side by side in one process"}
   for part, fn in (("time", timing), ("memory", memory), ("rl", rl)):
     if part in parts:
       t0 = time.perf_counter()
-      fn(quick, rows, config, out)
+      fn(quick, rows, config, out, axes, seed)
       config[f"{part}_seconds"] = round(time.perf_counter() - t0, 1)
   write_result(name, rows, config=config, quick=quick, out_dir=out_dir)
   return rows

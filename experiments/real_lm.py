@@ -22,7 +22,9 @@ threads as this process has cores. Parts (``--parts``):
   their greedy agreement with f32.
 
 Systems run interleaved (one call each per round, best of the rounds). Without
-``llama_cpp`` the rows compare against transformers eager only and say so.
+``llama_cpp`` the rows compare against transformers eager only and say so. ``--seed S`` draws
+other prompts and passkeys (every part; seed 0: the default table); the weights are the shipped
+ones.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.bench import cpu_cores, read_bandwidth
 from jaxsys.core.results import Row, write_result
 from jaxsys.data.synthetic import passkey_prompts
@@ -146,10 +149,10 @@ def _have_llama() -> bool:
 # ----------------------------------------------------------------------------- parts
 
 
-def _decode(ctx, quick: bool) -> list[Row]:
+def _decode(ctx, quick: bool, seed: int) -> list[Row]:
   gen = ctx["generate"]
   new, reps = (32, 2) if quick else (64, 3)
-  prompt = np.random.default_rng(0).integers(100, 40000, 128).tolist()
+  prompt = np.random.default_rng(reseed(0, seed)).integers(100, 40000, 128).tolist()
   models = ctx["models"]
   best: dict[tuple, float] = {}
   tokens: dict[str, list[int]] = {}
@@ -253,11 +256,11 @@ def _transformers_eager(ctx, prompt, ours_step) -> list[Row]:
               note=f"transformers: {new} new tokens after a 128-token prompt")]
 
 
-def _prefill(ctx, quick: bool) -> list[Row]:
+def _prefill(ctx, quick: bool, seed: int) -> list[Row]:
   gen = ctx["generate"]
   model = ctx["models"]["f32"]
   llm = ctx["llamas"].get("F32")
-  rng = np.random.default_rng(1)
+  rng = np.random.default_rng(reseed(1, seed))
   rows = []
   for n in (1024, 4096):
     prompt = rng.integers(100, 40000, n).tolist()
@@ -275,10 +278,11 @@ def _prefill(ctx, quick: bool) -> list[Row]:
   return rows
 
 
-def _passkey(ctx, quick: bool) -> list[Row]:
+def _passkey(ctx, quick: bool, seed: int) -> list[Row]:
   gen = ctx["generate"]
   model, tok = ctx["models"]["f32"], ctx["tokenizer"]
   lengths, seeds = ((1024, 2048, 4096), range(2)) if quick else ((1024, 2048, 4096, 8000), range(16))
+  seeds = [reseed(s, seed) for s in seeds]   # each case's key and needle depth
   rows = []
   for n in lengths:
     cases = passkey_prompts(tok, n, seeds)
@@ -298,12 +302,12 @@ def _passkey(ctx, quick: bool) -> list[Row]:
   return rows
 
 
-def _precision(ctx, quick: bool) -> list[Row]:
+def _precision(ctx, quick: bool, seed: int) -> list[Row]:
   import jax.numpy as jnp
   from flax import nnx
   from jaxsys.decoding.cache import KVCache
   models, tok, gen = ctx["models"], ctx["tokenizer"], ctx["generate"]
-  ids = passkey_prompts(tok, 256, [0])[0][0]
+  ids = passkey_prompts(tok, 256, [reseed(0, seed)])[0][0]
   tokens = jnp.asarray([ids])
   run = nnx.jit(lambda m, t, c: m(t, cache=c))
   cfg = models["f32 unpacked"].config
@@ -333,7 +337,7 @@ def _precision(ctx, quick: bool) -> list[Row]:
 _PART_FUNCS = {"decode": _decode, "prefill": _prefill, "passkey": _passkey, "precision": _precision}
 
 
-def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
+def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   """``parts``: names from ``PARTS`` to run alone (written as ``real_lm_<parts>``)."""
   if parts and set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
@@ -358,12 +362,12 @@ def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
     llama_note = f"llama-cpp-python {importlib.import_module('llama_cpp').__version__}"
   rows = []
   for part in selected:
-    rows += _PART_FUNCS[part](ctx, quick)
+    rows += _PART_FUNCS[part](ctx, quick, seed)
   name = "_".join([NAME, *parts]) if parts else NAME
   config = {"model": MODEL, "gguf": ctx["gguf"].name, "params": base.config.num_params(),
             "threads": cpu_cores(), "read_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
             "weight_bytes": ctx["bytes"], "llama_cpp": llama_note,
-            "llama_weight_bytes": ctx.get("llama_bytes"), "parts": selected,
+            "llama_weight_bytes": ctx.get("llama_bytes"), "parts": selected, "seed": seed,
             # llama.cpp's OpenMP threads spin at barriers: on a shared machine it slows far more
             # than XLA's pool, so the load around the run is part of the result
             "load_average_start_end": [load_start, os.getloadavg()[0]]}

@@ -3,6 +3,7 @@
   python -m experiments.serving --quick      # a 4-layer random-weight model, token-id prompts
   python -m experiments.serving              # SmolLM2-135M-Instruct (jaxsys fetch it first)
   python -m experiments.serving --parts long  # only the 8K-token prompts -> serving_long/
+  python -m experiments.serving --quick --seed 1  # other prompts, arrival times, random weights
 
 Each server (``jaxsys.serving.openai_server.start_server`` on 127.0.0.1) gets the same load
 through the official ``openai`` client (``AsyncOpenAI``, streamed ``/v1/completions``, HTTP on
@@ -22,6 +23,9 @@ Part ``long``: 6 prompts of ~8K tokens (4 of 2K on the quick model), 32 new toke
 at 0.2 req/s (faster than any server here finishes one): continuous batching with dense attention
 vs LServe (page selection at 1/4 of the context, 50% streaming heads) vs llama.cpp's server.
 Goal: LServe's throughput ahead of both.
+
+``run(quick, out_dir, parts=None, seed=0)``: ``--seed S`` draws other prompts, Poisson arrival
+times and (quick) random weights (seed 0: the default table); SmolLM2 is the fixed checkpoint.
 """
 
 from __future__ import annotations
@@ -37,18 +41,19 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments._cli import reseed
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "serving"
 
 
-def _model(quick: bool):
+def _model(quick: bool, seed: int = 0):
   if quick:
     from jaxsys.models._decoder_config import DecoderConfig
     from jaxsys.models.decoder import random_model
     cfg = DecoderConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
                         num_heads=8, num_kv_heads=4, max_position_embeddings=4096)
-    return random_model(cfg, seed=0), None, "random-4L"
+    return random_model(cfg, seed=reseed(0, seed)), None, "random-4L"
   from jaxsys.models import load_pretrained
   model, tok = load_pretrained("smollm2-135m-instruct")
   return model, tok, "smollm2-135m-instruct"
@@ -139,21 +144,22 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
 PARTS = ("rates", "long")
 
 
-def run(quick: bool, out_dir, parts=None) -> list[Row]:
+def run(quick: bool, out_dir, parts=None, seed: int = 0) -> list[Row]:
   """``parts``: ``rates`` (ragged prompts at three rates), ``long`` (8K-token prompts: dense vs
-  LServe vs llama.cpp); a subset is written as ``serving_<parts>``."""
+  LServe vs llama.cpp); a subset is written as ``serving_<parts>``. ``seed``: the run's ``--seed``
+  (prompts, arrival times, the quick model's weights), passed to each part."""
   parts = tuple(parts or PARTS)
   if set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
   name = NAME if parts == PARTS else NAME + "_" + "_".join(parts)
   out = run_dir(name, out_dir)
-  model, tok, model_name = _model(quick)
-  config = {"model": model_name, "load_average_start": round(os.getloadavg()[0], 2)}
+  model, tok, model_name = _model(quick, seed)
+  config = {"model": model_name, "seed": seed, "load_average_start": round(os.getloadavg()[0], 2)}
   rows, results = [], {}
   if "rates" in parts:
-    rows += _rates(quick, model, tok, model_name, config, results, out)
+    rows += _rates(quick, model, tok, model_name, config, results, out, seed)
   if "long" in parts:
-    rows += _long(quick, model, tok, model_name, config, results)
+    rows += _long(quick, model, tok, model_name, config, results, seed)
   config["load_average_end"] = round(os.getloadavg()[0], 2)
   write_result(name, rows, config=config, quick=quick, out_dir=out_dir,
                extra={"results": {f"{k[0]} @ {k[1]}": v for k, v in results.items()}})
@@ -169,16 +175,18 @@ def _serve_load(servers: dict, model_name: str, load: list, rate: float, max_tok
     print(f"  {name} @ {key}: {results[(name, key)]}", flush=True)
 
 
-def _peer_load(model, tok, loads: list, rates: list, keys: list, max_tokens: int, results: dict) -> str:
-  """The llama.cpp server under the same loads (summaries into ``results[("llama.cpp", key)]``);
-  returns what the config records about it."""
+def _peer_load(model, tok, loads: list, rates: list, keys: list, max_tokens: int, results: dict,
+               seed: int = 0) -> str:
+  """The llama.cpp server under the same loads (summaries into ``results[("llama.cpp", key)]``),
+  load i with the arrival times ``reseed(i, seed)`` our servers got; returns what the config
+  records about it."""
   with tempfile.TemporaryDirectory() as tmp:
     proc = _llama_cpp_server(model, tok, Path(tmp), 8791)
     if proc is not None:
       try:
         _wait_http("http://127.0.0.1:8791/v1/models", proc)
         for i, (load, rate, key) in enumerate(zip(loads, rates, keys)):
-          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, i))
+          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, reseed(i, seed)))
           results[("llama.cpp", key)] = _summary(res)
           print(f"  llama.cpp @ {key}: {results[('llama.cpp', key)]}", flush=True)
       finally:
@@ -196,13 +204,13 @@ def _texts(tok, prompts):
   return prompts if tok is None else [tok.decode(p) for p in prompts]
 
 
-def _rates(quick, model, tok, model_name, config, results, out) -> list[Row]:
+def _rates(quick, model, tok, model_name, config, results, out, seed: int = 0) -> list[Row]:
   from jaxsys.serving.openai_server import start_server
   page, max_tokens = (16, 16) if quick else (64, 32)
   n_req = 16 if quick else 48
   lens = (40, 200) if quick else (200, 1500)
   max_seq = 256 if quick else 2048
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(reseed(0, seed))
   vocab = model.config.vocab_size
   # fresh prompts for every rate (a repeated prompt would hit the prefix cache of an earlier rate)
   load = {i: _texts(tok, [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(*lens, n_req)])
@@ -216,24 +224,24 @@ def _rates(quick, model, tok, model_name, config, results, out) -> list[Row]:
     for name, make in _engines(model, tok, page, max_seq).items():
       servers[name] = start_server(make(), model_name, max_pending=10_000)
       for p in warm:  # compile every prefill bucket and the decode step
-        asyncio.run(_load(servers[name].url, model_name, [p, p], 100.0, max_tokens, 0))
+        asyncio.run(_load(servers[name].url, model_name, [p, p], 100.0, max_tokens, reseed(0, seed)))
     # the rate one request at a time sustains, on the one-slot server
     lat = []
     for p in load[3][:5]:
       t0 = time.perf_counter()
-      asyncio.run(_load(servers["one slot"].url, model_name, [p], 1.0, max_tokens, 0))
+      asyncio.run(_load(servers["one slot"].url, model_name, [p], 1.0, max_tokens, reseed(0, seed)))
       lat.append(time.perf_counter() - t0)
     per = float(np.median(lat))
     rates = [round(c / per, 3) for c in (0.5, 1.0, 2.0)]
     config["service_s_per_request"] = round(per, 3)
     config["rates_req_s"] = rates
     for i, rate in enumerate(rates):  # servers interleaved at each rate (the machine is shared)
-      _serve_load(servers, model_name, load[i], rate, max_tokens, i, results, rate)
+      _serve_load(servers, model_name, load[i], rate, max_tokens, reseed(i, seed), results, rate)
   finally:
     for server in servers.values():
       server.stop()
   config["llama_cpp"] = _peer_load(model, tok, [load[i] for i in range(3)], rates, rates, max_tokens,
-                                   results)
+                                   results, seed)
   rows = []
   top = rates[-1]
   for rate in rates:
@@ -258,7 +266,7 @@ def _rates(quick, model, tok, model_name, config, results, out) -> list[Row]:
   return rows
 
 
-def _long(quick, model, tok, model_name, config, results) -> list[Row]:
+def _long(quick, model, tok, model_name, config, results, seed: int = 0) -> list[Row]:
   """8K-token prompts (2K on the quick model) arriving faster than any server finishes them:
   continuous batching with dense attention vs LServe (selection at 1/4 of the context, 50%
   streaming heads), and llama.cpp's server on the same text."""
@@ -269,7 +277,7 @@ def _long(quick, model, tok, model_name, config, results) -> list[Row]:
   ctx = 2048 if quick else 8192
   n_ids = ctx - max_tokens - (64 if quick else 400)   # room for re-tokenisation of the decoded text
   rate = 1.0 if quick else 0.2     # full: one request every ~5 s, each needs >= 10 s of prefill
-  rng = np.random.default_rng(1)
+  rng = np.random.default_rng(reseed(1, seed))
   vocab = model.config.vocab_size
   load = _texts(tok, [rng.integers(3, vocab, n_ids).tolist() for _ in range(n_req)])
   warm = _texts(tok, [rng.integers(3, vocab, n_ids).tolist() for _ in range(n_req)])
@@ -292,12 +300,12 @@ def _long(quick, model, tok, model_name, config, results) -> list[Row]:
     for name, make in engines.items():
       servers[name] = start_server(make(), model_name, max_pending=10_000)
       # compile: the same load shape once on other prompts (prefill buckets, mixed steps)
-      asyncio.run(_load(servers[name].url, model_name, warm, rate, max_tokens, 1))
-    _serve_load(servers, model_name, load, rate, max_tokens, 0, results, key)
+      asyncio.run(_load(servers[name].url, model_name, warm, rate, max_tokens, reseed(1, seed)))
+    _serve_load(servers, model_name, load, rate, max_tokens, reseed(0, seed), results, key)
   finally:
     for server in servers.values():
       server.stop()
-  config["long"]["llama_cpp"] = _peer_load(model, tok, [load], [rate], [key], max_tokens, results)
+  config["long"]["llama_cpp"] = _peer_load(model, tok, [load], [rate], [key], max_tokens, results, seed)
   ls, d = results[("long: continuous (LServe)", key)], results[("long: continuous (dense)", key)]
   rows = [Row(f"throughput, {key}: LServe vs dense", "tokens/s (ratio = ours/baseline)",
               ours=ls["throughput"], baseline=d["throughput"], baseline_name="continuous (dense)",

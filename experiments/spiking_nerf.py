@@ -1,6 +1,8 @@
 """SpikingNeRF: spiking vs ANN colour MLP on voxel grids; TP vs TCP packing; colour-net energy.
 
-Run: ``python -m experiments.spiking_nerf [--quick]`` (or ``jaxsys reproduce --only spiking_nerf``).
+Run: ``python -m experiments.spiking_nerf [--quick] [--seed S]`` (or ``jaxsys reproduce --only
+spiking_nerf``). ``run(quick, out_dir="runs", seed=0)``: the scene, the cameras, the ray batches and
+the model init all draw from ``reseed(0, seed)`` (seed 0: the default table).
 
 On the procedural scene (``jaxsys.data.scenes``: spheres + boxes, exact ray tracing, seeded
 hemisphere cameras, held-out test views):
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments._cli import reseed
 from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.data.scenes import make_scene, render_dataset
@@ -36,12 +39,13 @@ from jaxsys.nerf.render import psnr, ssim
 NAME = "spiking_nerf"
 
 
-def _settings(quick: bool) -> dict:
+def _settings(quick: bool, seed: int = 0) -> dict:
+  """``seed`` is the run's ``--seed`` (recorded in the config); the draws use ``reseed(0, seed)``."""
   if quick:
     return dict(size=32, views=40, test=4, coarse_res=20, res=24, coarse_steps=300,
-                steps=80, batch=256, width=128, depth=3, mask_thres=1e-2, rounds=3, seed=0)
+                steps=80, batch=256, width=128, depth=3, mask_thres=1e-2, rounds=3, seed=seed)
   return dict(size=48, views=72, test=8, coarse_res=24, res=32, coarse_steps=600,
-              steps=200, batch=256, width=128, depth=3, mask_thres=1e-2, rounds=5, seed=0)
+              steps=200, batch=256, width=128, depth=3, mask_thres=1e-2, rounds=5, seed=seed)
 
 
 def _metrics(images, gt):
@@ -77,14 +81,16 @@ def _plot(out_dir, test, renders):
   return path
 
 
-def run(quick: bool, out_dir: str = "runs") -> list[Row]:
-  s = _settings(quick)
+def run(quick: bool, out_dir: str = "runs", seed: int = 0) -> list[Row]:
+  """``seed``: base seed of the scene, cameras, ray batches and model init (0: the default table)."""
+  s = _settings(quick, seed)
+  rs = reseed(0, seed)  # scene, cameras, ray batches and init all drew from the literal 0
   t_start = time.perf_counter()
-  train, test = render_dataset(make_scene(s["seed"]), num_views=s["views"], num_test=s["test"],
-                               size=s["size"], seed=s["seed"])
+  train, test = render_dataset(make_scene(rs), num_views=s["views"], num_test=s["test"],
+                               size=s["size"], seed=rs)
   base = M.SpikingNeRFConfig(resolution=s["res"], width=s["width"], depth=s["depth"])
   coarse = M.CoarseGrids(base, resolution=s["coarse_res"])
-  M.fit(coarse, train, steps=s["coarse_steps"], batch_rays=2 * s["batch"], seed=s["seed"])
+  M.fit(coarse, train, steps=s["coarse_steps"], batch_rays=2 * s["batch"], seed=rs)
   mask = M.coarse_mask(coarse, s["mask_thres"])
   details = {"coarse_psnr": _metrics(M.render_views(coarse, test).images, test.images)[0],
              "mask_fraction": float(mask.mean()), "seconds": {}}
@@ -94,9 +100,9 @@ def run(quick: bool, out_dir: str = "runs") -> list[Row]:
   for label, (neuron, mode) in runs.items():
     t0 = time.perf_counter()
     cfg = M.SpikingNeRFConfig(resolution=s["res"], width=s["width"], depth=s["depth"], neuron=neuron)
-    m = M.SpikingNeRF(cfg, mask=mask, rngs=nnx.Rngs(s["seed"]))
+    m = M.SpikingNeRF(cfg, mask=mask, rngs=nnx.Rngs(rs))
     M.init_from_coarse(m, coarse)
-    M.fit(m, train, steps=s["steps"], batch_rays=s["batch"], mode=mode, seed=s["seed"])
+    M.fit(m, train, steps=s["steps"], batch_rays=s["batch"], mode=mode, seed=rs)
     models[label], stats[label] = m, M.render_views(m, test, mode=mode)
     scores[label] = _metrics(stats[label].images, test.images)
     details["seconds"][label] = time.perf_counter() - t0

@@ -21,7 +21,9 @@ rollout, ``f`` = the vanilla rollout's share of the step. The TLT drafter gets `
 rollouts, timed apart ("drafter training time"): TLT runs them on resources the long tail leaves
 idle, which a 2-core CPU host does not have, so the step time is also given with them added.
 
-Run: ``python -m experiments.tlt --quick``.
+Run: ``python -m experiments.tlt --quick``. ``run(quick, out_dir, parts=None, seed=0)``: ``--seed S``
+draws other prompts, drafter initialisation, rollouts, buffer samples and GRPO seeds in both modes
+(seed 0: the default table); the policies (the tiny LM, SmolLM2) are fixed checkpoints.
 
 Full mode (``python -m experiments.tlt``) runs the TLT decode measurements on SmolLM2-135M-Instruct
 (``experiments/_tlt_smollm2.py``): the regime row, then speculative decode speedup at batch 1-8,
@@ -36,14 +38,15 @@ import time
 import numpy as np
 
 from experiments import _tlt_grpo, _tlt_smollm2
+from experiments._cli import reseed
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "tlt"
 PARTS = _tlt_smollm2.PARTS  # --parts: the full (SmolLM2) mode's parts
 
 
-def run_smollm2(out_dir: str, parts=None) -> list[Row]:
-  return _tlt_smollm2.run(out_dir, parts)
+def run_smollm2(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
+  return _tlt_smollm2.run(out_dir, parts, seed=seed)
 
 
 def _config(quick: bool) -> dict:
@@ -68,18 +71,20 @@ def _config(quick: bool) -> dict:
   )
 
 
-def run(quick: bool, out_dir: str, parts=None) -> list[Row]:
-  """``parts`` (full mode only): names from ``_tlt_smollm2.PARTS`` to run alone."""
+def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
+  """``parts`` (full mode only): names from ``_tlt_smollm2.PARTS`` to run alone. ``seed``: the
+  run's ``--seed`` (both modes)."""
   if not quick:
-    return run_smollm2(out_dir, parts)
+    return run_smollm2(out_dir, parts, seed=seed)
   if parts:
     raise ValueError(f"parts={list(parts)}: --parts selects parts of the full (SmolLM2) mode; "
                      "--quick runs the whole tiny-LM pipeline")
-  return run_tiny(quick, out_dir)
+  return run_tiny(quick, out_dir, seed=seed)
 
 
-def run_tiny(quick: bool, out_dir: str) -> list[Row]:
-  """The tiny trained LM as policy (the whole pipeline, GRPO included; see the module docstring)."""
+def run_tiny(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
+  """The tiny trained LM as policy (the whole pipeline, GRPO included; see the module docstring).
+  ``seed``: the run's ``--seed``; the policy is the shipped checkpoint whatever it is."""
   import jax
   from flax import nnx
 
@@ -102,29 +107,30 @@ def run_tiny(quick: bool, out_dir: str) -> list[Row]:
   # ---- policy and initial drafter --------------------------------------------------------
   policy = load_tiny_lm()
   mix = dict(long_copy=cfg["long_copy"])
-  long_sampler = tasks.LongTailMix(long_fraction=1.0, seed=5, **mix)
+  long_sampler = tasks.LongTailMix(long_fraction=1.0, seed=reseed(5, seed), **mix)
   chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
   # One sampling config and one executable pool for every engine below: each (loop, bucket)
   # compiles once for the whole experiment.
   base = dict(strategies=(chain, tree), max_new=long_sampler.max_response,
               max_prompt=long_sampler.max_prompt, stop_tokens=(synthetic.VOCAB.eos,),
               batch_buckets=cfg["batches"], spec_threshold=cfg["spec_threshold"],
-              sampling=SamplingParams(cfg["temperature"]), fused=True)
+              sampling=SamplingParams(cfg["temperature"]), fused=True,
+              seed=reseed(0, seed))  # the bandit's exploration
   pool = ExecutablePool(max_entries=256)
-  drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(1))
+  drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(reseed(1, seed)))
   warm = RolloutEngine(policy, drafter, RolloutConfig(**base, speculative=False), pool=pool)
-  sampler = tasks.LongTailMix(long_fraction=0.5, seed=11, **mix)
+  sampler = tasks.LongTailMix(long_fraction=0.5, seed=reseed(11, seed), **mix)
   n_warm = cfg["drafter_warm_rollouts"]
-  buffer = online.DrafterBuffer(max_steps=n_warm, seed=0)
+  buffer = online.DrafterBuffer(max_steps=n_warm, seed=reseed(0, seed))
   warm_rollouts = []
   for k in range(n_warm):  # rollouts of the initial policy: the drafter's warm-up data
-    res = warm.generate([list(e.prompt) for e in sampler.sample(32)], seed=123 + k)
+    res = warm.generate([list(e.prompt) for e in sampler.sample(32)], seed=reseed(123 + k, seed))
     buffer.add(k - n_warm, res.sequences, res.features, res.prompt_lengths)
     warm_rollouts.append(res)
   # Held-out rollout (other prompts/seed): top-1 on the training data alone hides memorisation.
-  heldout = online.DrafterBuffer(max_steps=1, seed=0)
-  r_ho = warm.generate([list(e.prompt) for e in tasks.LongTailMix(long_fraction=0.5, seed=99, **mix).sample(32)],
-                       seed=7)
+  heldout = online.DrafterBuffer(max_steps=1, seed=reseed(0, seed))
+  ho_sampler = tasks.LongTailMix(long_fraction=0.5, seed=reseed(99, seed), **mix)
+  r_ho = warm.generate([list(e.prompt) for e in ho_sampler.sample(32)], seed=reseed(7, seed))
   heldout.add(0, r_ho.sequences, r_ho.features, r_ho.prompt_lengths)
   seq_len = 1 << (base["max_prompt"] + base["max_new"] - 1).bit_length()
   trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=16, seq_len=seq_len)
@@ -138,18 +144,18 @@ def run_tiny(quick: bool, out_dir: str) -> list[Row]:
 
   # ---- 1) acceptance and speedup vs batch size (sampled, long responses) ------------------
   spec_engine = RolloutEngine(policy, drafter0, RolloutConfig(**base), pool=pool)
-  rng = np.random.default_rng(3)
+  rng = np.random.default_rng(reseed(3, seed))
   rows, curve = [], {"batch": [], "chain_acc": [], "tree_acc": [], "chain_speedup": [], "tree_speedup": []}
   for b in cfg["batches"]:
     prompts = [list(e.prompt) for e in long_sampler.sample(b, rng)]
     tput, acc, cpu = {}, {}, {}
     for name, strat in (("vanilla", None), ("chain", chain), ("tree", tree)):
       kw = dict(force_strategy=strat, speculative=strat is not None)
-      spec_engine.generate(prompts, seed=0, **kw)  # compile / warm-up
+      spec_engine.generate(prompts, seed=reseed(0, seed), **kw)  # compile / warm-up
       best, best_cpu = 0.0, 0.0
       for rep in range(cfg["repeats"]):  # best of N: short runs on a shared CPU are noisy
         t0, c0 = time.perf_counter(), time.process_time()
-        r = spec_engine.generate(prompts, seed=1 + rep, **kw)
+        r = spec_engine.generate(prompts, seed=reseed(1 + rep, seed), **kw)
         n_tok = sum(len(t) for t in r.tokens)
         best = max(best, n_tok / (time.perf_counter() - t0))
         best_cpu = max(best_cpu, n_tok / max(time.process_time() - c0, 1e-9))
@@ -173,28 +179,32 @@ def run_tiny(quick: bool, out_dir: str) -> list[Row]:
   # on 2 steps' worth alone memorises them (the failure mode of the warm-up above) instead of
   # tracking the policy. The drafter gets spot_steps updates between rollouts, timed apart: on
   # a 2-core host a background thread would race the rollout for the cores (online.SpotTrainer).
+  # GRPO's seed is the run's seed itself, not reseed(0, seed): the trainer seeds rollout i with
+  # grpo.seed * 100003 + i, a uint32, which a reseeded value would overflow. The online buffer's
+  # seed is TLTConfig's default (1), moved by the run's.
   tlt_cfg = TLTConfig(grpo=grpo.GRPOConfig(group_size=cfg["group_size"],
-                                           prompts_per_step=cfg["prompts_per_step"], seed=0),
+                                           prompts_per_step=cfg["prompts_per_step"], seed=seed),
                       online_buffer=cfg["online_buffer"], drafter_lr=cfg["online_lr"],
-                      drafter_batch=16, spot_steps=cfg["spot_steps"], synchronous=True)
+                      drafter_batch=16, spot_steps=cfg["spot_steps"], synchronous=True,
+                      buffer_seed=reseed(1, seed))
   rollout = RolloutConfig(**base)
 
   def make_tlt(speculative: bool):
-    tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=7, **mix)
+    tsamp = tasks.LongTailMix(long_fraction=cfg["long_fraction"], seed=reseed(7, seed), **mix)
     return make_tlt_trainer(policy, drafter0, tsamp, rollout, tlt_cfg, speculative=speculative,
                             warm_rollouts=warm_rollouts, pool=pool, reward_fn=synthetic.reward,
                             pad_id=synthetic.VOCAB.pad)
 
-  eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(9))]
+  eval_prompts = [list(e.prompt) for e in long_sampler.sample(8, np.random.default_rng(reseed(9, seed)))]
   hist = _tlt_grpo.compare(make_tlt, policy, drafter0, rollout, eval_prompts, chain, pool,
-                           cfg["grpo_steps"])
+                           cfg["grpo_steps"], seed=seed)
   step_ms_b1 = 1e3 / curve["vanilla_tput"][0] if curve["batch"][0] == 1 else None
   grpo_rows, summary = _tlt_grpo.rows(hist, cfg["spot_steps"], step_ms_b1)
   rows += grpo_rows
   _plots(out, curve, hist)
   config = dict(cfg, policy={k: str(v) for k, v in policy.config.__dict__.items()},
                 chain=chain.name, tree=tree.name, compilations=pool.compilations, **summary,
-                seconds=time.perf_counter() - t_start)
+                seconds=time.perf_counter() - t_start, seed=seed)
   write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir,
                extra={"curves": curve, "grpo": {k: v for k, v in hist.items()}, "warm": log})
   return rows

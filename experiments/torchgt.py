@@ -1,7 +1,8 @@
 """TorchGT: graph-transformer accuracy (Cora) and attention scaling (10K..1M nodes).
 
-(a) Cora node classification, fixed seeds: GT with dual-interleaved attention vs dense-attention
-    GT vs a 2-layer GCN; mean +- std test accuracy at the best validation accuracy.
+(a) Cora node classification on the public Planetoid split, a list of seeds: GT with
+    dual-interleaved attention vs dense-attention GT vs a 2-layer GCN; mean +- std test accuracy
+    at the best validation accuracy.
 (b) attention forward+backward time vs node count (synthetic SBM, 10 edges/node, 4 heads x 16)
     for dense (jaxsys.ops.attention), sparse (edges) and reformed (METIS reorder + ECR with the
     auto-tuned threshold), and the fraction of edges in dense tiles before/after reordering;
@@ -11,6 +12,10 @@
     forward+backward (skipped with a note if torch_geometric is not importable).
 (d) largest node count trainable per device vs devices (1, 2, 4, 8 simulated), from XLA's
     compiled memory plan of the graph-parallel training step and a per-device budget.
+
+``run(quick, out_dir, parts=None, mesh=None, seed=0)``: every literal seed (model seeds, SBM graphs,
+METIS, random inputs) is ``reseed(literal, seed)``, so seed 0 is the default table; Cora's split
+stays the public one.
 """
 
 import time
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments._cli import reseed
 from jaxsys import graphs as G
 from jaxsys.core.bench import compiled_memory, time_fn, time_interleaved
 from jaxsys.core.errors import ConfigError
@@ -36,23 +42,28 @@ NO_TILES = 2.0  # a density threshold no tile reaches: ECR off, the edge kernel 
 THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off where tiles don't pay
 
 
-def _settings(quick: bool) -> dict:
+def _settings(quick: bool, seed: int = 0) -> dict:
   if quick:
     # (a): GT dual + GCN on 2 seeds; the dense GT (~1 s/step on 2 CPU cores) is a short run.
-    return dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=10, sizes=[10_000, 100_000], dense_max=10_000,
-                train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
-                mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2, sweep_nodes=10_000,
-                communities=(32, 64, 128))
-  return dict(seeds=list(range(10)), dense_seeds=list(range(10)), steps=200, dense_steps=200, sizes=[10_000, 100_000, 1_000_000],
-              dense_max=20_000, train_nodes=1_000_000, pyg_sizes=[10_000, 100_000, 1_000_000],
-              devices=[1, 2, 4, 8], mem_sizes=(4_000, 16_000), budget_gib=2.0, iters=3,
-              sweep_nodes=100_000, communities=(32, 64, 128))
+    s = dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=10, sizes=[10_000, 100_000],
+             dense_max=10_000, train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
+             mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2, sweep_nodes=10_000,
+             communities=(32, 64, 128))
+  else:
+    s = dict(seeds=list(range(10)), dense_seeds=list(range(10)), steps=200, dense_steps=200,
+             sizes=[10_000, 100_000, 1_000_000], dense_max=20_000, train_nodes=1_000_000,
+             pyg_sizes=[10_000, 100_000, 1_000_000], devices=[1, 2, 4, 8], mem_sizes=(4_000, 16_000),
+             budget_gib=2.0, iters=3, sweep_nodes=100_000, communities=(32, 64, 128))
+  for key in ("seeds", "dense_seeds"):  # (a)'s model seeds, all shifted by --seed
+    s[key] = [reseed(i, seed) for i in s[key]]
+  return s
 
 
 # ----------------------------------------------------------------------------- (a) Cora
 
-def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
-  """GT hyperparameters follow GAT's Cora recipe; choices made on validation accuracy only."""
+def cora_accuracy(s: dict, seed: int) -> tuple[list[Row], dict]:
+  """GT hyperparameters follow GAT's Cora recipe; choices made on validation accuracy only. The
+  model seeds are ``s["seeds"]`` / ``s["dense_seeds"]``; ``seed`` moves the Laplacian PE's start."""
   from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
                                                laplacian_pe, train_graph_transformer)
   ds = G.load_planetoid("cora", row_normalize=True)
@@ -73,19 +84,20 @@ def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
                                  hidden=64, num_heads=4, num_layers=2, dropout=0.5,
                                  input_dropout=0.6, lap_pe=16, degree_encoding=True,
                                  attention="dense")
-  pe = jnp.asarray(laplacian_pe(ds.senders, ds.receivers, ds.num_nodes, 16))
+  # eigsh starts from a random vector: the PE's signs/basis are a draw like the model init
+  pe = jnp.asarray(laplacian_pe(ds.senders, ds.receivers, ds.num_nodes, 16, seed=reseed(0, seed)))
   models = {"gcn": None, "gt_dual": dual, "gt_dense": dense}
   acc, val, step_ms, gates = {}, {}, {}, []
   for name, cfg in models.items():
     accs, vals, times = [], [], []
-    for seed in s["dense_seeds"] if name == "gt_dense" else s["seeds"]:
+    for model_seed in s["dense_seeds"] if name == "gt_dense" else s["seeds"]:
       kw = dict(steps=s["steps"], lr=5e-3, l2=5e-4, weight_decay=0.0)
       inp = x
       if cfg is None:
-        model, kw = GCN(ds.num_features, 64, ds.num_classes, rngs=nnx.Rngs(seed)), dict(
+        model, kw = GCN(ds.num_features, 64, ds.num_classes, rngs=nnx.Rngs(model_seed)), dict(
             steps=s["steps"], lr=1e-2)
       else:
-        model = GraphTransformer(cfg, rngs=nnx.Rngs(seed))
+        model = GraphTransformer(cfg, rngs=nnx.Rngs(model_seed))
         kw["dense_schedule"] = cfg.is_dense_step
       if name == "gt_dense":
         inp, kw["steps"] = jnp.concatenate([x, pe], 1), s["dense_steps"]
@@ -122,7 +134,7 @@ def cora_accuracy(s: dict) -> tuple[list[Row], dict]:
 
 # ----------------------------------------------------------------------------- (b) scaling
 
-def _qkv(n, seed=0):
+def _qkv(n, seed):
   return jax.random.normal(jax.random.PRNGKey(seed), (3, n, HEADS, HEAD_DIM))
 
 
@@ -143,7 +155,7 @@ def _dense_fn():
   return _grad_fn(lambda q, k, v: GA.dense_graph_attention(q, k, v, impl="xla"))
 
 
-def prepare(n: int, seed: int = 0, community: int = 128):
+def prepare(n: int, seed: int, community: int = 128):
   """SBM graph (communities of ~``community`` nodes), its METIS-reordered copy (one part per
   ``community`` nodes), edges with self loops (host)."""
   ds = G.sbm_graph(n, avg_degree=10, num_communities=max(8, n // community), seed=seed)
@@ -183,14 +195,14 @@ def time_sparse_vs_reformed(sparse, n, se, re, q, k, v, iters):
   return timed["sparse"].ms, timed["reformed"].ms, tune, rg
 
 
-def scaling(s: dict) -> tuple[list[Row], dict]:
+def scaling(s: dict, seed: int) -> tuple[list[Row], dict]:
   rows, curves = [], {"n": [], "sparse": [], "reformed": [], "dense": [], "frac_before": [],
                       "frac_after": [], "threshold": []}
   sparse = _sparse_fn()
   dense = _dense_fn()
   for n in s["sizes"]:
-    ds, ds_r, se, re = prepare(n)
-    q, k, v = _qkv(n)
+    ds, ds_r, se, re = prepare(n, reseed(0, seed))
+    q, k, v = _qkv(n, reseed(0, seed))
     t_sparse, t_ref, tune, rg = time_sparse_vs_reformed(sparse, n, se, re, q, k, v, s["iters"])
     t_dense = time_fn(dense, q, k, v, iters=s["iters"]).ms if n <= s["dense_max"] else None
     thr = tune.threshold
@@ -213,16 +225,16 @@ def scaling(s: dict) -> tuple[list[Row], dict]:
   return rows, curves
 
 
-def community_sweep(s: dict) -> tuple[list[Row], dict]:
+def community_sweep(s: dict, seed: int) -> tuple[list[Row], dict]:
   """Reformed vs sparse as the graph's clusters get denser (communities of 32..128 nodes, same
   10 edges/node): ECR pays off only when reordered tiles are dense enough for a masked matmul to
   beat per-edge gathers."""
   n = s["sweep_nodes"]
   rows, out = [], {"community": [], "sparse": [], "reformed": [], "frac_after": [], "threshold": []}
   sparse = _sparse_fn()
-  q, k, v = _qkv(n)
+  q, k, v = _qkv(n, reseed(0, seed))
   for c in s["communities"]:
-    _, _, se, re = prepare(n, community=c)
+    _, _, se, re = prepare(n, reseed(0, seed), community=c)
     t_sparse, t_ref, tune, rg = time_sparse_vs_reformed(sparse, n, se, re, q, k, v, s["iters"])
     for key, val in (("community", c), ("sparse", t_sparse), ("reformed", t_ref),
                      ("frac_after", rg.dense_edge_fraction), ("threshold", tune.threshold)):
@@ -234,20 +246,20 @@ def community_sweep(s: dict) -> tuple[list[Row], dict]:
   return rows, out
 
 
-def train_large(s: dict) -> tuple[list[Row], dict]:
+def train_large(s: dict, seed: int) -> tuple[list[Row], dict]:
   """A few GT training steps (topology attention, 1 layer) on the largest synthetic graph."""
   import optax
 
   from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
   from jaxsys.train import make_train_step
   n = s["train_nodes"]
-  ds = G.sbm_graph(n, avg_degree=10, seed=1)
-  ds_r, _ = G.cluster_reorder(ds, max(2, n // 128), seed=1)
+  ds = G.sbm_graph(n, avg_degree=10, seed=reseed(1, seed))
+  ds_r, _ = G.cluster_reorder(ds, max(2, n // 128), seed=reseed(1, seed))
   inputs = graph_inputs(ds_r.graph, reform_config=G.ReformConfig(BLOCK, 0.05))
   cfg = GraphTransformerConfig(ds.num_features, ds.num_classes, hidden=64, num_heads=4,
                                num_layers=1, dropout=0.0, input_dropout=0.0,
                                attention="sparse", topology="reformed")
-  model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
+  model = GraphTransformer(cfg, rngs=nnx.Rngs(reseed(0, seed)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx = optax.adam(1e-2)
   opt_state = tx.init(params)
@@ -273,7 +285,7 @@ def train_large(s: dict) -> tuple[list[Row], dict]:
 
 # ----------------------------------------------------------------------------- (c) PyG
 
-def pyg_comparison(s: dict) -> tuple[list[Row], dict]:
+def pyg_comparison(s: dict, seed: int) -> tuple[list[Row], dict]:
   try:
     import torch
     from torch_geometric.nn import TransformerConv
@@ -281,10 +293,10 @@ def pyg_comparison(s: dict) -> tuple[list[Row], dict]:
     return [Row("PyG TransformerConv comparison", "ms", ours=None,
                 note=f"skipped: torch_geometric not importable ({type(e).__name__})")], {}
   rows, out = [], {"n": [], "pyg": [], "ours_sparse": [], "ours_reformed": []}
-  torch.manual_seed(0)
+  torch.manual_seed(reseed(0, seed))
   dim = HEADS * HEAD_DIM
   for n in s["pyg_sizes"]:
-    ds, ds_r, se, re = prepare(n)
+    ds, ds_r, se, re = prepare(n, reseed(0, seed))
     # PyG: the original graph (it has no reordering); TransformerConv adds no self loops.
     x_t = torch.randn(n, dim)
     ei = torch.from_numpy(np.stack([ds.senders, ds.receivers]).astype(np.int64))
@@ -295,8 +307,8 @@ def pyg_comparison(s: dict) -> tuple[list[Row], dict]:
       y = conv(x_t, ei)
       y.square().sum().backward()
 
-    layer = GraphAttention(dim, HEADS, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.PRNGKey(0), (n, dim))
+    layer = GraphAttention(dim, HEADS, rngs=nnx.Rngs(reseed(0, seed)))
+    x = jax.random.normal(jax.random.PRNGKey(reseed(0, seed)), (n, dim))
     inp_s = graph_inputs(ds.graph, self_loops=False)
     inp_r = graph_inputs(ds_r.graph, self_loops=False, reform_config=G.ReformConfig(BLOCK, 0.05))
     graphdef, state = nnx.split(layer)
@@ -329,7 +341,7 @@ def pyg_comparison(s: dict) -> tuple[list[Row], dict]:
 
 # ----------------------------------------------------------------------------- (d) memory
 
-def memory_scaling(s: dict) -> tuple[list[Row], dict]:
+def memory_scaling(s: dict, seed: int) -> tuple[list[Row], dict]:
   """Largest trainable graph per device count under a per-device memory budget.
 
   Per-device bytes come from XLA's compiled memory plan of the graph-parallel training step at
@@ -344,13 +356,14 @@ def memory_scaling(s: dict) -> tuple[list[Row], dict]:
   rows = []
   cfg = GraphTransformerConfig(32, 8, hidden=64, num_heads=4, num_layers=2, dropout=0.0,
                                input_dropout=0.0, attention="sparse")
-  model = GraphTransformer(cfg, rngs=nnx.Rngs(0))
+  model = GraphTransformer(cfg, rngs=nnx.Rngs(reseed(0, seed)))
   for p in s["devices"]:
     mesh = make_mesh({"graph": p}, jax.devices()[:p])
     pts = []
     for n in s["mem_sizes"]:
-      ds = G.sbm_graph(n * p, avg_degree=10, seed=0)  # weak scaling: n nodes per device
-      plan = plan_graph_partition(ds, p)
+      ds = G.sbm_graph(n * p, avg_degree=10, seed=reseed(0, seed))  # weak scaling: n nodes/device
+      # METIS is seeded too: the partition sets the halo sizes, hence the bytes per device
+      plan = plan_graph_partition(ds, p, seed=reseed(0, seed))
       labels = jnp.asarray(plan.to_slots(ds.labels))
       mask = jnp.asarray(plan.to_slots(ds.train_mask, False))
       graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -420,10 +433,11 @@ _PART_FUNCS = (cora_accuracy, scaling, community_sweep, train_large, pyg_compari
 PARTS = tuple(f.__name__ for f in _PART_FUNCS)
 
 
-def run(quick: bool, out_dir: str, parts=None, mesh: dict | None = None):
+def run(quick: bool, out_dir: str, parts=None, mesh: dict | None = None, seed: int = 0):
   """``parts``: names from ``PARTS`` to run alone (written as ``torchgt_<parts>``, no plots).
-  ``mesh``: ``{"graph": P}`` caps the memory-scaling part at P devices (default: all)."""
-  s = _settings(quick)
+  ``mesh``: ``{"graph": P}`` caps the memory-scaling part at P devices (default: all).
+  ``seed``: base seed of every part's draws (0: the default table)."""
+  s = _settings(quick, seed)
   if mesh is not None and set(mesh) != {"graph"}:
     raise ConfigError(f"--mesh {mesh}: torchgt takes graph=P")
   top = (mesh or {}).get("graph", jax.device_count())
@@ -438,15 +452,16 @@ def run(quick: bool, out_dir: str, parts=None, mesh: dict | None = None):
     if parts and part.__name__ not in parts:
       continue
     t0 = time.perf_counter()
-    r, e = part(s)
+    r, e = part(s, seed)
     rows += r
     extra[part.__name__] = e
     extra[part.__name__ + "_seconds"] = time.perf_counter() - t0
-    write_result(name, rows, config=dict(s), quick=quick, out_dir=out_dir,
+    write_result(name, rows, config=dict(s, seed=seed), quick=quick, out_dir=out_dir,
                  extra={"details": extra, "partial": True})  # survives an interrupted run
   if not parts:
     _plots(out_dir, extra["scaling"], extra["pyg_comparison"], extra["memory_scaling"], extra["community_sweep"])
-  write_result(name, rows, config=dict(s), quick=quick, out_dir=out_dir, extra={"details": extra})
+  write_result(name, rows, config=dict(s, seed=seed), quick=quick, out_dir=out_dir,
+               extra={"details": extra})
   return rows
 
 

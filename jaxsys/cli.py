@@ -137,7 +137,7 @@ def _register_core(sub) -> None:
                  help="mesh axis sizes for the experiments that build a mesh, e.g. ring=2,ulysses=4")
   r.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="compute dtype for the experiments with a model (default: float32)")
-  r.add_argument("--seed", type=int, default=None,
+  r.add_argument("--seed", type=experiments.parse_seed, default=None,
                  help="base seed for the experiments' data and initialisation (default: 0)")
   r.set_defaults(fn=_reproduce)
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 __all__ = [
-    "format_footer", "format_mesh", "format_table", "FORWARDED", "parse_mesh", "QUICK_SECONDS", "REGISTRY",
+    "format_footer", "format_mesh", "format_table", "FORWARDED", "MAX_SEED", "parse_mesh", "parse_seed", "QUICK_SECONDS", "REGISTRY",
     "reproduce", "run_params",
 ]
 
@@ -88,6 +88,21 @@ def parse_mesh(text: str) -> dict[str, int]:
       raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {m.group(1)!r} given twice")
     axes[m.group(1)] = int(m.group(2))
   return axes
+
+
+MAX_SEED = 10_000  # experiments derive seeds up to ~1e5 * seed, and rollout seeds are 32-bit integers
+
+
+def parse_seed(text: str) -> int:
+  """``--seed``: an integer in [0, MAX_SEED] (numpy's generators reject negative seeds; larger ones
+  would overflow the 32-bit seeds the experiments derive from it)."""
+  try:
+    seed = int(text)
+  except ValueError:
+    seed = -1
+  if not 0 <= seed <= MAX_SEED:
+    raise argparse.ArgumentTypeError(f"--seed {text!r}: expected an integer in [0, {MAX_SEED}]")
+  return seed
 
 
 def format_mesh(axes: dict[str, int]) -> str:
@@ -230,7 +245,8 @@ def _run_one(name: str, out: Path, args, left) -> dict:
     result_path.unlink()
   t0 = time.perf_counter()
   with open(log_path, "w") as log:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    # Unbuffered: the heartbeat shows the experiment's latest line, not what a block buffer holds back.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     returncode = _wait_with_heartbeat(proc, log_path, t0, args.timeout, args.heartbeat, left)
   dt = time.perf_counter() - t0
   if returncode is None:

@@ -92,3 +92,21 @@ def test_serving_parts_are_checked(tmp_path):
   assert serving.PARTS == ("rates", "long")
   with pytest.raises(ValueError, match="must be among"):
     serving.run(True, str(tmp_path), parts=("nope",))
+
+
+def test_every_experiment_that_builds_a_mesh_takes_mesh_and_the_readme_says_which():
+  """``--mesh`` goes to exactly the experiments that build a mesh, ``--seed`` to all of them, and the
+  README's tour names the mesh and dtype experiments as they are."""
+  import re
+
+  from jaxsys.experiments import REGISTRY, run_params
+  builds = {n for n, (m, _, _) in REGISTRY.items()
+            if "make_mesh" in (ROOT / (m.replace(".", "/") + ".py")).read_text()}
+  takes = {f: {n for n in REGISTRY if f in run_params(n)} for f in ("mesh", "dtype", "seed")}
+  assert takes["mesh"] == builds
+  assert takes["seed"] == set(REGISTRY)
+  readme = (ROOT / "README.md").read_text()
+  named = re.search(r"those that build\s+a mesh \(([^)]*)\) take `--mesh`", readme)
+  assert named and set(re.findall(r"`(\w+)`", named.group(1))) == builds
+  dtype = re.search(r"\);\s+(.*?) takes? `--dtype`", readme, re.S)
+  assert dtype and set(re.findall(r"`(\w+)`", dtype.group(1))) == takes["dtype"]
