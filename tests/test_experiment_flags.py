@@ -108,5 +108,5 @@ def test_every_experiment_that_builds_a_mesh_takes_mesh_and_the_readme_says_whic
   readme = (ROOT / "README.md").read_text()
   named = re.search(r"those that build\s+a mesh \(([^)]*)\) take `--mesh`", readme)
   assert named and set(re.findall(r"`(\w+)`", named.group(1))) == builds
-  dtype = re.search(r"\);\s+(.*?) takes? `--dtype`", readme, re.S)
+  dtype = re.search(r"take `--mesh`\s+\(`[^`]*`\);\s+(.*?) takes? `--dtype`", readme, re.S)
   assert dtype and set(re.findall(r"`(\w+)`", dtype.group(1))) == takes["dtype"]
