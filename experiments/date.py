@@ -1,7 +1,7 @@
 """DATE experiment: dual assignment (one-to-one POTO + one-to-many FCOS) vs one-to-one only.
 
 Command: ``python -m experiments.date [--quick] [--seed S]`` (or ``jaxsys reproduce --only date``).
-``run(quick, out_dir, seed=0)``: the model / data-order seeds (quick 0-1, full 0-5, the AdamW
+``run(quick, out_dir, seed=0)``: the model / data-order seeds (quick 0 with 320 steps, full 0-5, the AdamW
 ablation 0-2) and the data sets (train split seed 1000, eval 2000) are ``reseed(literal, seed)``
 (seed 0: the default table).
 
@@ -54,7 +54,8 @@ def _settings(quick: bool, seed: int = 0) -> dict:
   # Full mode repeats the comparison with AdamW as an ablation: Adam's per-parameter step sizes
   # largely make up for the one-to-one branch's sparse gradient, so dual assignment gains less.
   if quick:
-    return {"seeds": [reseed(i, seed) for i in (0, 1)], "steps": 400, "eval_every": 40,
+    # one seed of 320 steps (~40 s per detector on 2 cores): the quick run's budget is ~2 minutes
+    return {"seeds": [reseed(0, seed)], "steps": 320, "eval_every": 40,
             "train_images": 4096, "eval_images": 128, "batch_size": 16, "warmup_steps": 60,
             "optimizers": {"sgd": {"optimizer": "sgd", "learning_rate": 1e-2}}}
   # Six seeds for the headline: the one-to-one-only run's steps-to-AP varies by ~200 steps

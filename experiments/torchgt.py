@@ -45,7 +45,7 @@ THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off wher
 def _settings(quick: bool, seed: int = 0) -> dict:
   if quick:
     # (a): GT dual + GCN on 2 seeds; the dense GT (~1 s/step on 2 CPU cores) is a short run.
-    s = dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=10, sizes=[10_000, 100_000],
+    s = dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=5, sizes=[10_000, 100_000],
              dense_max=10_000, train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
              mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2, sweep_nodes=10_000,
              communities=(32, 64, 128))
