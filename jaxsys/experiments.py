@@ -50,9 +50,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: Wall seconds of each ``--quick`` run on 2 idle CPU cores (experiments/README.md has the run);
 #: only the progress line's estimate of the time left uses them.
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 60, "decode_speed": 60, "real_lm": 120, "tiny_lm": 60, "mmsp": 60, "vniah": 60,
-    "mrsp": 60, "lserve": 120, "serving": 60, "tlt": 120, "torchgt": 60, "gnn_quant": 60,
-    "cluster": 60, "spiking_nerf": 60, "date": 60,
+    "attention": 55, "decode_speed": 20, "real_lm": 270, "tiny_lm": 45, "mmsp": 45, "vniah": 55,
+    "mrsp": 170, "lserve": 90, "serving": 110, "tlt": 105, "torchgt": 160, "gnn_quant": 70, "cluster": 45,
+    "spiking_nerf": 55, "date": 105,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to

@@ -265,3 +265,16 @@ def test_eta_scales_the_remaining_expected_times():
   left = runner._eta(names, 1, t_start=100.0, done_s=2 * q["attention"], quick=True)
   assert left(100.0) == f", ~{runner._minutes(2 * (q['cluster'] + q['date']))} left"  # twice as slow so far
   assert runner._eta(names, 0, 0.0, 0.0, quick=False)(5.0) == ""
+
+
+def test_experiments_readme_table_is_one_reproduce_run_of_every_experiment():
+  """experiments/README.md's latest table is a ``runs/summary.md`` (table, then the footer of wall
+  times) with a row, and a footer line, for every registered experiment."""
+  text = (ROOT / "experiments" / "README.md").read_text()
+  section = text.split("## Latest `jaxsys reproduce --quick` table", 1)[1].split("\n## ", 1)[0]
+  rows = [ln.split("|")[2].strip() for ln in section.splitlines() if ln.startswith("| ") and ln.count("|") == 11]
+  assert set(runner.REGISTRY) <= set(rows), sorted(set(runner.REGISTRY) - set(rows))
+  footer = {ln.split("|")[1].strip() for ln in section.splitlines() if ln.startswith("| ") and ln.count("|") == 6}
+  assert set(runner.REGISTRY) <= footer, sorted(set(runner.REGISTRY) - footer)
+  assert re.search(rf"`jaxsys reproduce --quick`: {len(runner.REGISTRY)} experiments in [\d.]+ min", section)
+  assert "FAILED" not in section
