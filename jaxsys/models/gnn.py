@@ -264,8 +264,9 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
   best = (-1.0, None, None, None, -1)
   history = []
   for epoch in range(cfg.epochs):
+    # a distinct 32-bit stream per (seed, epoch); wraps instead of overflowing for large seeds
     params, opt_state, loss, _, _ = step(params, opt_state, rest,
-                                         jnp.uint32(seed * 100003 + epoch))
+                                         jnp.uint32((seed * 100003 + epoch) % 2**32))
     accs, avg = evaluate(params)
     accs = np.asarray(accs)
     history.append((float(loss), *map(float, accs), float(avg)))

@@ -392,7 +392,7 @@ class GRPOTrainer:
     hook = (lambda: self.spot.start(target)) if background else None
     # round 0 keeps the seed schedule of a step without resampling
     res = self.engine.generate([list(ex.prompt) for ex in examples],
-                               seed=c.seed * 100003 + self.step_count + 1000003 * round_,
+                               seed=(c.seed * 100003 + self.step_count + 1000003 * round_) % 2**32,
                                on_long_tail=hook)
     if background:
       state = self.spot.stop()

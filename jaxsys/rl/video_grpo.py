@@ -404,7 +404,8 @@ class VideoGRPOTrainer:
     frames = np.stack([ex.frames for ex in examples])
     lay = self.layout(frames.shape[1])
     ft = self.encode(frames)                    # once per video (the rollout's, reused when cached)
-    responses = self.rollout(examples, ft, seed=gc.seed * 100003 + self.step_count)
+    # a distinct int32 seed per (seed, step); wraps instead of overflowing for large seeds
+    responses = self.rollout(examples, ft, seed=(gc.seed * 100003 + self.step_count) % 2**31)
     t1 = time.perf_counter()
     rows = np.repeat(np.arange(n), g)
     rewards = np.array([self.reward_fn(examples[i], r) for i, r in zip(rows, responses)], np.float32)

@@ -88,3 +88,12 @@ def test_config_errors():
   with pytest.raises(ConfigError, match=r"\[1, 8\]"):
     GNN(GNNConfig(4, 2, quant=A2QConfig()), 3, rngs=nnx.Rngs(0),
         init_bits=[np.array([0, 2, 3]), None])
+
+
+def test_training_takes_any_seed(ds):
+  """Large seeds (an experiment's ``--seed`` shifts them by ~1e5 each) wrap into the 32-bit step key
+  instead of overflowing it."""
+  data = NodeData.from_dataset(ds, "gcn")
+  model = GNN(GNNConfig(12, 4, hidden=8, dropout=0.5), ds.num_nodes, rngs=nnx.Rngs(0))
+  res = train_gnn(model, data, GNNTrainConfig(epochs=2, lr=0.02), seed=100_003 * 10_000)
+  assert len(res["history"]) == 2 and np.isfinite(res["history"][-1][0])
