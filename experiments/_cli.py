@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import os
@@ -59,7 +60,6 @@ def main(name: str, argv=None):
   module = importlib.import_module(REGISTRY[name][0])
   params = inspect.signature(module.run).parameters
   default_devices = getattr(module, "DEVICES", 1)
-  import argparse
   parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
                                    description=(module.__doc__ or "").strip().splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes (a few minutes on 2 CPU cores)")

@@ -84,14 +84,10 @@ def sp_axes(mesh: dict | None, devices: int) -> dict:
   return axes
 
 
-def _grpo_seed(seed: int) -> int:
-  # The run's seed itself, not reseed(0, seed): the trainer seeds rollout i with
-  # grpo.seed * 100003 + i, an int32, which a reseeded value (100003 * seed) would overflow.
-  return seed
-
-
 def _trainers(model, tasks, mesh, seed: int = 0, **kw):
-  grpo = dataclasses.replace(kw.pop("grpo", vg.RECIPE), seed=_grpo_seed(seed))
+  # GRPO's seed is the run's seed itself, not reseed(0, seed): the trainer derives each rollout's
+  # seed as grpo.seed * 100003 + step, so the seeds stay apart without a second stride
+  grpo = dataclasses.replace(kw.pop("grpo", vg.RECIPE), seed=seed)
   return {m: vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode=m, grpo=grpo, **kw),
                                  mesh=mesh if m == "cached_sp" else None) for m in MODES}
 
@@ -218,7 +214,7 @@ def rl(quick, rows, config, out, axes, seed):
                 sft_loss=round(sft_loss, 4), rl_steps=rl_steps, sft_seconds=round(time.perf_counter() - t0, 1))
   print(f"[mrsp] warm-up: {sft_steps} steps, validation accuracy {checks[-1]:.2f}", flush=True)
   mesh = make_mesh(axes)
-  grpo = dataclasses.replace(RL_GRPO, seed=_grpo_seed(seed))
+  grpo = dataclasses.replace(RL_GRPO, seed=seed)  # the run's seed itself, as in _trainers
   tr = vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached_sp", grpo=grpo), mesh=mesh)
   rng = np.random.default_rng(reseed(123, seed))
   depths = [0.0, 0.25, 0.5, 0.75, 1.0]

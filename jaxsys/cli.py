@@ -146,9 +146,9 @@ def _reproduce(args) -> int:
   from jaxsys import experiments
   if args.list:
     for name, (_, system, desc) in experiments.REGISTRY.items():
-      flags = " ".join(f for p, f in experiments.FORWARDED.items() if p in experiments.run_params(name))
+      flags = ["--devices"] + [f for p, f in experiments.FORWARDED.items() if p in experiments.run_params(name)]
       print(f"{name:13s} {system:32s} ~{experiments.QUICK_SECONDS.get(name, 60):4.0f}s quick  "
-            f"[--devices {flags}]".replace(" ]", "]") + f"  {desc}")
+            f"[{' '.join(flags)}]  {desc}")
     return 0
   return experiments.reproduce(args)
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 __all__ = [
-    "format_footer", "format_mesh", "format_table", "FORWARDED", "MAX_SEED", "parse_mesh", "parse_seed", "QUICK_SECONDS", "REGISTRY",
-    "reproduce", "run_params",
+    "format_footer", "format_mesh", "format_table", "FORWARDED", "MAX_SEED", "parse_mesh", "parse_seed",
+    "QUICK_SECONDS", "REGISTRY", "reproduce", "run_params",
 ]
 
 # name -> (module, system, one-line description). Order is the order of the table.
@@ -47,12 +47,12 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "date": ("experiments.date", "DATE", "dual-assignment NMS-free detection: steps to AP, NMS-free AP, inference time"),
 }
 
-#: Wall seconds of each ``--quick`` run on 2 idle CPU cores (experiments/README.md has the run);
-#: only the progress line's estimate of the time left uses them.
+#: Wall seconds of each ``--quick`` run on 2 idle CPU cores (the fresh-clone run of
+#: experiments/README.md); only the progress line's estimate of the time left uses them.
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 55, "decode_speed": 20, "real_lm": 270, "tiny_lm": 45, "mmsp": 45, "vniah": 55,
-    "mrsp": 170, "lserve": 90, "serving": 110, "tlt": 105, "torchgt": 160, "gnn_quant": 70, "cluster": 45,
-    "spiking_nerf": 55, "date": 105,
+    "attention": 55, "decode_speed": 20, "real_lm": 190, "tiny_lm": 45, "mmsp": 45, "vniah": 60,
+    "mrsp": 180, "lserve": 95, "serving": 100, "tlt": 100, "torchgt": 150, "gnn_quant": 60, "cluster": 45,
+    "spiking_nerf": 50, "date": 105,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
