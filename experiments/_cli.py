@@ -8,7 +8,9 @@
   ``DEVICES`` (8 for the parallel ones, else 1), unless ``XLA_FLAGS`` already sets a count.
 * ``--mesh AXES``: mesh axis sizes, e.g. ``ring=2,ulysses=4`` or ``graph=8``; only for the
   experiments whose ``run`` takes ``mesh`` (``--help`` lists it when it does).
-* ``--dtype``: compute dtype, where ``run`` takes ``dtype``.
+* ``--dtype``: compute dtype of the experiment's models (``float32`` or ``bfloat16``; parameters
+  stay as stored), where ``run`` takes ``dtype``: the decoder-family and VLM experiments
+  (``with_compute_dtype``) and mmsp's attention inputs.
 * ``--seed S``: base seed of the data and initialisation, where ``run`` takes ``seed`` (``jaxsys
   reproduce --seed S`` reruns the quick table on other draws: experiments/README.md has the spread).
 * Multi-host: every experiment calls ``jaxsys.parallel.distributed.initialize_distributed()``
@@ -36,6 +38,16 @@ def reseed(base: int, seed: int) -> int:
   """An experiment's literal seed ``base`` under the run's ``--seed``: ``base`` itself at seed 0 (the
   default table is unchanged), and for other seeds a value no other (base, seed) pair gives."""
   return int(base) + SEED_STRIDE * int(seed)
+
+
+def with_compute_dtype(model, dtype: str = "float32"):
+  """A decoder-family ``model`` computing in ``dtype`` (the ``--dtype`` flag): activations, matmuls
+  and the KV cache in ``dtype``, parameters as stored (mixed precision, as on an accelerator);
+  ``"float32"`` returns ``model`` itself, so the default table is unchanged."""
+  if dtype == "float32":
+    return model
+  from jaxsys.models.decoder import replace_config
+  return replace_config(model, dtype=dtype)
 
 
 def set_cpu_devices(n: int) -> None:

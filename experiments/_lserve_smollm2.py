@@ -184,10 +184,13 @@ def speed_rows(model, gates, ctx: int = 8192 - 64, new: int = 32, rounds: int = 
   return rows
 
 
-def run(out, details, seed: int = 0) -> list[Row]:
-  """Every SmolLM2 row; the gates files go to ``out``. ``seed``: the run's ``--seed``."""
+def run(out, details, seed: int = 0, dtype: str = "float32") -> list[Row]:
+  """Every SmolLM2 row; the gates files go to ``out``. ``seed``: the run's ``--seed``; ``dtype``:
+  the model's compute dtype."""
+  from experiments._cli import with_compute_dtype
   from jaxsys.models.pretrained import load_pretrained
   model, tok = load_pretrained(MODEL)
+  model = with_compute_dtype(model, dtype)
   gates, note = _gates(model, tok, out, progress=os.environ.get("JAXSYS_NO_PROGRESS") is None, seed=seed)
   print(f"  smollm2 {note}", flush=True)
   details["gates"] = note

@@ -115,10 +115,11 @@ def _verify_ratio(model, cache_len: int, reps: int) -> tuple[float, float]:
   return times[1].min, times[5].min
 
 
-def run(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
+def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """``parts``: names from ``PARTS`` (default all; the drafter warm-up runs unless the parts are
   among ``regime``, ``lookup`` and ``grpo_lookup``); results go to ``tlt`` or ``tlt_<parts>``.
-  ``seed``: the run's ``--seed``, passed to every part."""
+  ``seed``: the run's ``--seed``, passed to every part. ``dtype``: the policy's compute dtype."""
+  from experiments._cli import with_compute_dtype
   import jax
   from flax import nnx
 
@@ -142,6 +143,7 @@ def run(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   out = run_dir(name, out_dir)     # plots, the drafter checkpoint and the XLA cache beside result.json
   t_start = time.perf_counter()
   model, tok = load_pretrained(MODEL)
+  model = with_compute_dtype(model, dtype)
   mc = model.config
   stops = default_stop_tokens(mc, tok)
   rng = np.random.default_rng(reseed(0, seed))  # the warm-up rollouts' prompts
@@ -195,7 +197,7 @@ def run(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
     lrows, lookup_hist = _tlt_lookup.grpo(model, tok, stops, cfg, out, seed=seed)
     rows += lrows
   if not set(parts) - {"regime", "lookup", "grpo_lookup"}:  # nothing below needs the drafter
-    write_result(name, rows, config=dict(cfg, model=MODEL, parts=list(parts),
+    write_result(name, rows, config=dict(cfg, model=MODEL, parts=list(parts), dtype=dtype,
                                          seconds=time.perf_counter() - t_start),
                  quick=False, out_dir=out_dir, extra={"lookup": lookup_curve, "grpo_lookup": lookup_hist})
     return rows
@@ -345,7 +347,7 @@ def run(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
     grpo_rows, hist, summary = _grpo(model, sampler, drafter, warm_results, base, pool, cfg,
                                      step_s, out, seed)
     rows += grpo_rows
-  config = dict(cfg, model=MODEL, parts=list(parts), chain=chain.name, tree=tree.name,
+  config = dict(cfg, model=MODEL, parts=list(parts), dtype=dtype, chain=chain.name, tree=tree.name,
                 draft_coverage=coverage, lengths=lengths.tolist(), compilations=pool.compilations,
                 seconds=time.perf_counter() - t_start, machine_note="2-core CPU host", **summary)
   write_result(name, rows, config=config, quick=False, out_dir=out_dir,

@@ -6,7 +6,8 @@ A ~60M-parameter Llama config with random weights is built in transformers, conv
 jitted ``lax.while_loop`` with the KV cache updated in place; transformers runs
 ``model.generate`` (its default attention, dynamic KV cache). Reported: decode tokens/s (new
 tokens over decode wall time, compiled executables warm), prefill time, and whether the greedy
-tokens agree. ``--seed S`` draws other random weights and prompts (seed 0: the default table).
+tokens agree. ``--seed S`` draws other random weights and prompts (seed 0: the default table);
+``--dtype bfloat16`` runs jaxsys in bf16 against transformers in float32.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 
-from experiments._cli import reseed
+from experiments._cli import reseed, with_compute_dtype
 from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 
@@ -30,7 +31,8 @@ def _config(quick: bool):
       tie_word_embeddings=False)
 
 
-def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
+def run(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -> list[Row]:
+  """``dtype``: jaxsys's compute dtype (``--dtype``; transformers stays float32)."""
   import torch
   import jaxsys.models as M
   from jaxsys.serving.generation import generate
@@ -40,7 +42,7 @@ def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   torch.manual_seed(reseed(0, seed))  # transformers draws the random weights from the global generator
   hf = __import__("transformers").LlamaForCausalLM(cfg).eval()
   hf.generation_config.eos_token_id = None
-  model = M.from_hf_model(hf)
+  model = with_compute_dtype(M.from_hf_model(hf), dtype)
   n_params = model.config.num_params()
   prompt_len, new = (64, 32) if quick else (128, 64)
   rng = np.random.default_rng(reseed(0, seed))
@@ -91,7 +93,7 @@ def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   write_result(NAME, rows, config={"params": n_params, "prompt_len": prompt_len,
                                    "new_tokens": new, "hidden": cfg.hidden_size,
                                    "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
-                                   "seed": seed},
+                                   "seed": seed, "dtype": dtype},
                quick=quick, out_dir=out_dir, extra={"details": details})
   run_dir(NAME, out_dir)
   return rows

@@ -13,7 +13,8 @@
 (c) KV memory per token of context (dense vs LServe, incl. page statistics).
 (d) end-to-end decode tokens/s of ``jaxsys.serving.ServingEngine`` at long context, dense vs LServe
     (a small random-weight model whose attention shape matches (a)).
-(e) accuracy on the tiny trained retrieval model (scaled page / sink / window settings).
+(e) accuracy on the tiny trained retrieval model (scaled page / sink / window settings); quick
+    runs dense, page selection alone and LServe, full mode adds streaming heads alone and flat pages.
 (f) ``smollm2`` (full mode only; ``experiments/_lserve_smollm2.py``): SmolLM2-135M-Instruct with
     learned DuoAttention gates: passkey at 2K / 4K / 8K, 16 seeds, dense / streaming heads only /
     page selection only / LServe, and the engine's decode tokens/s and prefill time at 8K.
@@ -23,7 +24,8 @@
   python -m experiments.lserve --parts smollm2         # one part alone -> lserve_smollm2/
   python -m experiments.lserve --quick --seed 1        # other random caches, weights, prompts
 
-``run(quick, out_dir, parts=None, seed=0)``: ``--seed S`` draws other random Q/K/V and caches,
+``run(quick, out_dir, parts=None, seed=0, dtype="float32")``: ``--dtype`` is the compute dtype of
+(d)-(f)'s models. ``--seed S`` draws other random Q/K/V and caches,
 engine weights and prompts, evaluation examples and gate-learning data and initialisation (seed
 0: the default table); the tiny trained model and SmolLM2 are fixed checkpoints.
 """
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments._cli import reseed
+from experiments._cli import reseed, with_compute_dtype
 from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.serving import lserve
@@ -252,9 +254,9 @@ def prefill_rows(quick: bool, seed: int = 0) -> list[Row]:
   return rows
 
 
-def engine_rows(quick: bool, seed: int = 0) -> list[Row]:
+def engine_rows(quick: bool, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """(d) end-to-end decode tokens/s of the engine, dense vs LServe (random weights); ``seed``: the
-  run's ``--seed`` (the weights and the prompt)."""
+  run's ``--seed`` (the weights and the prompt); ``dtype``: the model's compute dtype."""
   from jaxsys.models._decoder_config import DecoderConfig
   from jaxsys.models.decoder import random_model
   from jaxsys.serving import ServingEngine, ServingConfig
@@ -263,7 +265,7 @@ def engine_rows(quick: bool, seed: int = 0) -> list[Row]:
   mc = DecoderConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_layers=2,
                      num_heads=KV_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                      max_position_embeddings=2 * ctx)
-  model = random_model(mc, seed=reseed(0, seed))
+  model = with_compute_dtype(random_model(mc, seed=reseed(0, seed)), dtype)
   prompt = np.random.default_rng(reseed(0, seed)).integers(0, 256, ctx - 1).tolist()
   flags = [[h >= KV_HEADS // 2 for h in range(KV_HEADS)]] * mc.num_layers
   tps = {}
@@ -342,14 +344,16 @@ def load_eval_model(quick: bool, seed: int = 0):
   return base, task, train_len, "dense teacher-forced accuracy " + ", ".join(tried)
 
 
-def accuracy_rows(quick: bool, out, seed: int = 0) -> list[Row]:
+def accuracy_rows(quick: bool, out, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """(e) passkey accuracy: dense, streaming-only, page-selection-only, LServe (scaled settings);
-  ``seed``: the run's ``--seed`` (the examples, the gates' training data and initialisation)."""
+  ``seed``: the run's ``--seed`` (the examples, the gates' training data and initialisation);
+  ``dtype``: the model's compute dtype (the context is chosen in float32)."""
   import json
   from jaxsys.serving.streaming import identify_streaming_heads
   model, task, ctx, why = load_eval_model(quick, seed)
   if model is None:
     return [Row("passkey accuracy (tiny model)", "%", ours=None, note=f"not measured: {why}")]
+  model = with_compute_dtype(model, dtype)
   page, lps, sink, window = 16, 4, 16, max(16, ctx // 16)
   n = 32 if quick else 128
   exs, _ = passkey_data(n, ctx, seed=reseed(7, seed), task=task)
@@ -366,7 +370,9 @@ def accuracy_rows(quick: bool, out, seed: int = 0) -> list[Row]:
   dense = _accuracy(model, exs, lserve.LServeConfig(dense=True, token_budget=full_budget, **base), None)
   rows = [Row(f"{task} accuracy @{ctx} dense", "%", ours=dense,
               note=f"{n} examples, tiny model; {why}")]
-  for sp, g in gates.items():
+  # quick: the headline (dense, page selection alone, LServe); the streaming-only and flat-page
+  # ablations (an engine compile each) are the full mode's
+  for sp, g in () if quick else gates.items():
     stream = _accuracy(model, exs, lserve.LServeConfig(token_budget=full_budget, **base), g.streaming)
     rows.append(Row(f"{task} accuracy @{ctx} streaming-only ({sp:.0%} heads, sink {sink}, window {window})",
                     "%", ours=stream, baseline=dense, baseline_name="dense", ratio=stream - dense,
@@ -375,9 +381,9 @@ def accuracy_rows(quick: bool, out, seed: int = 0) -> list[Row]:
   fractions = (4,) if quick else (16, 8, 4)
   for frac in fractions:
     budget = max(page, ctx // frac // page * page)
-    runs = [("page-selection-only", lserve.LServeConfig(token_budget=budget, **base), None),
-            ("page-selection-only, flat 16-token pages",
-             lserve.LServeConfig(token_budget=budget, **{**base, "logical_page_size": page}), None)]
+    runs = [("page-selection-only", lserve.LServeConfig(token_budget=budget, **base), None)]
+    runs += [] if quick else [("page-selection-only, flat 16-token pages",
+                               lserve.LServeConfig(token_budget=budget, **{**base, "logical_page_size": page}), None)]
     runs += [(f"LServe ({sp:.0%} streaming heads)", lserve.LServeConfig(token_budget=budget, **base),
               g.streaming) for sp, g in gates.items()]
     for name, ls, flags in runs:
@@ -432,10 +438,12 @@ def _plot(curve, out):
 PARTS = ("decode", "memory", "prefill", "engine", "accuracy", "smollm2")
 
 
-def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
+def run(quick: bool, out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """``parts``: names from ``PARTS`` to run alone (written as ``lserve_<parts>``). ``smollm2``
   (the real model, ``experiments/_lserve_smollm2.py``) runs in the full mode only. ``seed``: the
-  run's ``--seed``, passed to every part with random inputs."""
+  run's ``--seed``, passed to every part with random inputs. ``dtype`` (``--dtype``): the compute
+  dtype of the parts with a model (engine, accuracy, smollm2); the op-level parts (decode, memory,
+  prefill) time float32 arrays, as their byte bounds count 4-byte elements."""
   parts = tuple(parts or PARTS)
   if set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
@@ -453,20 +461,20 @@ def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   if "prefill" in parts:
     rows += prefill_rows(quick, seed)
   if "engine" in parts:
-    rows += engine_rows(quick, seed)
+    rows += engine_rows(quick, seed, dtype)
   if "accuracy" in parts:
-    rows += accuracy_rows(quick, out, seed)
+    rows += accuracy_rows(quick, out, seed, dtype)
   if "smollm2" in parts:
     if quick:
       rows.append(Row("SmolLM2 passkey / 8K speed rows", "", ours=None,
                       note="full mode only: python -m experiments.lserve --parts smollm2"))
     else:
       from experiments import _lserve_smollm2
-      rows += _lserve_smollm2.run(out, details, seed)
+      rows += _lserve_smollm2.run(out, details, seed, dtype)
   write_result(name, rows, quick=quick, out_dir=out_dir, extra={"details": details} if details else None,
                config={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page": PAGE,
                        "logical_page": LOGICAL, "budget": BUDGET, "reuse": REUSE, "sink": SINK,
-                       "window": WINDOW, "contexts": list(contexts), "dtype": "float32",
+                       "window": WINDOW, "contexts": list(contexts), "dtype": dtype, "op_parts_dtype": "float32",
                        "parts": list(parts), "seed": seed})
   return rows
 

@@ -1,6 +1,6 @@
 """LongVILA-R1 MR-SP: video GRPO with cached vision embeddings and sequence-parallel passes.
 
-``python -m experiments.mrsp [--quick] [--mesh ulysses=U] [--seed S]`` (8 simulated CPU devices by
+``python -m experiments.mrsp [--quick] [--mesh ulysses=U] [--seed S] [--dtype D]`` (8 simulated CPU devices by
 default), or ``jaxsys reproduce --only mrsp``; ``run(quick, out_dir, parts=None, mesh=None, seed=0)``.
 
 ``--mesh ulysses=U``: the sequence-parallel mesh of ``cached_sp`` (default every device; video
@@ -8,12 +8,12 @@ GRPO's SP is Ulysses only, and U must divide the LMs' 8 heads). ``--seed S`` dra
 world, other task videos, initial weights, rollouts and held-out sets (seed 0: the default table).
 
 1. Time per RL step (rollout with a shared prefill, old and reference log-probs, update) vs
-   frame count for ``recompute`` (re-encode the frames in every pass), ``cached`` (stage 1) and
+   frame count (quick: 64 and 128) for ``recompute`` (re-encode the frames in every pass), ``cached`` (stage 1) and
    ``cached_sp`` (stage 1 + Ulysses SP over U = 8 devices), timed interleaved in one process; and
    the frame encoder's share of the baseline step. Goal: ``cached`` >= 1.8x ``recompute`` at the
    two largest frame counts.
 2. Compiled peak memory per device of one update micro-batch (forward + backward; the
-   compiler's plan, nothing allocated) vs frame count for the three modes, and the largest
+   compiler's plan, nothing allocated) vs frame count (quick: 64 and 1024) for the three modes, and the largest
    frame count that fits a fixed per-device budget. Goal: ``cached_sp`` on U = 8 devices fits
    >= 4x the frames of ``cached`` on 1.
 3. RL: a VLM warmed up by a supervised phase that stops at ``SFT_TARGET`` validation accuracy,
@@ -53,7 +53,7 @@ MODES = ("recompute", "cached", "cached_sp")
 BUDGET_MIB = 64  # fixed per-device memory budget of part 2
 
 
-def _setup(seed: int = 0):
+def _setup(seed: int = 0, dtype: str = "float32"):
   # The encoder works on 16 patches per frame (8x the LM's 2 tokens per frame) through 6 blocks,
   # so encoding is more than half of the baseline step at every frame count, as the ViT is for
   # LongVILA-R1 (where caching alone gives ~2x). With 4 blocks its share fell from 0.65 at 32
@@ -63,7 +63,8 @@ def _setup(seed: int = 0):
   cfg = VLMConfig(patches=16, patch_dim=16, tokens_per_frame=2, vision_hidden=64, vision_layers=6,
                   vision_heads=4,
                   lm=DecoderConfig(vocab_size=vt.VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_layers=2, num_heads=8, num_kv_heads=8, max_position_embeddings=16384))
+                                   num_layers=2, num_heads=8, num_kv_heads=8, max_position_embeddings=16384,
+                                   dtype=dtype))
   return spec, cfg
 
 
@@ -92,11 +93,11 @@ def _trainers(model, tasks, mesh, seed: int = 0, **kw):
                                  mesh=mesh if m == "cached_sp" else None) for m in MODES}
 
 
-def timing(quick, rows, config, out, axes, seed):
-  spec, cfg = _setup(seed)
+def timing(quick, rows, config, out, axes, seed, dtype="float32"):
+  spec, cfg = _setup(seed, dtype)
   mesh = make_mesh(axes)
   model = VLM(cfg, rngs=nnx.Rngs(reseed(0, seed)))
-  frames = [32, 64, 128] if quick else [32, 64, 128, 256, 512]  # each length compiles 3 programs
+  frames = [64, 128] if quick else [32, 64, 128, 256, 512]  # each length compiles 3 programs
   rounds = 3 if quick else 5
   config.update(time_frames=frames, time_rounds=rounds)
   res = {m: [] for m in MODES}
@@ -132,12 +133,13 @@ def timing(quick, rows, config, out, axes, seed):
   config["encoder_share_recompute"] = [round(x, 3) for x in share]
 
 
-def memory(quick, rows, config, out, axes, seed):
+def memory(quick, rows, config, out, axes, seed, dtype="float32"):
   # Compiled memory plans depend on shapes only; the seed is threaded for uniformity.
-  spec, cfg = _setup(seed)
+  spec, cfg = _setup(seed, dtype)
   mesh = make_mesh(axes)
   model = VLM(cfg, rngs=nnx.Rngs(reseed(0, seed)))
-  frames = [64, 256, 1024] if quick else [64, 128, 256, 512, 1024, 2048, 4096]
+  # quick: the two ends (every count compiles 3 update programs); the budget line falls between them
+  frames = [64, 1024] if quick else [64, 128, 256, 512, 1024, 2048, 4096]
   tr = _trainers(model, vt.VideoTaskSampler(spec, n_frames=frames[0], seed=reseed(0, seed)), mesh, seed)
   mb = tr["cached"].config.grpo.prompts_per_step * tr["cached"].config.grpo.group_size
   peak = {m: [] for m in MODES}
@@ -169,13 +171,13 @@ def memory(quick, rows, config, out, axes, seed):
         hline=BUDGET_MIB)
 
 
-def rl_setup(seed: int = 0):
+def rl_setup(seed: int = 0, dtype: str = "float32"):
   # The RL part asks whether GRPO improves a policy, so it needs a warm-up that can read the
   # glyphs within a CPU budget: the default small world (4 patches of 8 features, 8 glyph
   # classes) and 8 frames; 8 LM heads for Ulysses over 8 devices. Its prototypes follow --seed.
   spec = video.VideoSpec(seed=reseed(video.VideoSpec.seed, seed))
   cfg = VLMConfig(lm=dataclasses.replace(VLMConfig().lm, vocab_size=vt.VOCAB, num_heads=8, num_kv_heads=8,
-                                         max_position_embeddings=4096))
+                                         max_position_embeddings=4096, dtype=dtype))
   return spec, cfg
 
 
@@ -193,8 +195,8 @@ SFT_CHECK_EVERY = 50
 RL_GRPO = dataclasses.replace(vg.RECIPE, prompts_per_step=8, group_size=8, minibatches=4, lr=1e-4)
 
 
-def rl(quick, rows, config, out, axes, seed):
-  spec, cfg = rl_setup(seed)
+def rl(quick, rows, config, out, axes, seed, dtype="float32"):
+  spec, cfg = rl_setup(seed, dtype)
   f = 8
   sft_max, rl_steps = (3000, 60) if quick else (3000, 160)
   tasks = vt.VideoTaskSampler(spec, n_frames=f, seed=reseed(0, seed))
@@ -304,20 +306,22 @@ def _plot(path, xs, series, xlabel, ylabel, title, hline=None):
 PARTS = ("time", "memory", "rl")
 
 
-def run(quick: bool = False, out_dir=None, parts=None, mesh: dict | None = None, seed: int = 0) -> list[Row]:
+def run(quick: bool = False, out_dir=None, parts=None, mesh: dict | None = None, seed: int = 0,
+        dtype: str = "float32") -> list[Row]:
   """``mesh``: the ``cached_sp`` passes' ``{"ulysses": U}`` (default every device); ``seed``: the
-  run's ``--seed`` (every part gets it)."""
+  run's ``--seed`` (every part gets it); ``dtype``: the LM's compute dtype (``--dtype``; the
+  parameters and the frame encoder stay float32)."""
   axes = sp_axes(mesh, jax.device_count())  # before any part: a bad --mesh fails at once
   parts = parts or PARTS
   name = NAME if tuple(parts) == PARTS else f"{NAME}_{'_'.join(parts)}"
   out = run_dir(name, out_dir)
   rows: list[Row] = []
-  config = {"devices": jax.device_count(), "mesh": axes, "seed": seed, "modes": MODES,
+  config = {"devices": jax.device_count(), "mesh": axes, "seed": seed, "dtype": dtype, "modes": MODES,
             "machine": f"{os.cpu_count()}-core CPU; ratios are measured side by side in one process"}
   for part, fn in (("time", timing), ("memory", memory), ("rl", rl)):
     if part in parts:
       t0 = time.perf_counter()
-      fn(quick, rows, config, out, axes, seed)
+      fn(quick, rows, config, out, axes, seed, dtype)
       config[f"{part}_seconds"] = round(time.perf_counter() - t0, 1)
   write_result(name, rows, config=config, quick=quick, out_dir=out_dir)
   return rows

@@ -8,7 +8,7 @@
 Each server (``jaxsys.serving.openai_server.start_server`` on 127.0.0.1) gets the same load
 through the official ``openai`` client (``AsyncOpenAI``, streamed ``/v1/completions``, HTTP on
 loopback): requests arrive as a Poisson process at three rates (0.5x, 1x and 2x the rate one
-request at a time can sustain, measured first), each with a prompt of ragged length and
+request at a time can sustain, measured first; quick: 1x and 2x), each with a prompt of ragged length and
 ``max_tokens`` new tokens (``ignore_eos``, so every server produces the same number of tokens).
 Reported per server and rate: output throughput (tokens/s from the first arrival to the last
 token), time to first token and inter-token latency (p50, p99); a plot of latency vs rate.
@@ -41,13 +41,18 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments._cli import reseed
+from experiments._cli import reseed, with_compute_dtype
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "serving"
 
 
-def _model(quick: bool, seed: int = 0):
+def _model(quick: bool, seed: int = 0, dtype: str = "float32"):
+  model, tok, name = _base_model(quick, seed)
+  return with_compute_dtype(model, dtype), tok, name
+
+
+def _base_model(quick: bool, seed: int = 0):
   if quick:
     from jaxsys.models._decoder_config import DecoderConfig
     from jaxsys.models.decoder import random_model
@@ -142,19 +147,22 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
 
 
 PARTS = ("rates", "long")
+FACTORS = (0.5, 1.0, 2.0)  # arrival rates, as multiples of what one request at a time sustains
 
 
-def run(quick: bool, out_dir, parts=None, seed: int = 0) -> list[Row]:
+def run(quick: bool, out_dir, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """``parts``: ``rates`` (ragged prompts at three rates), ``long`` (8K-token prompts: dense vs
   LServe vs llama.cpp); a subset is written as ``serving_<parts>``. ``seed``: the run's ``--seed``
-  (prompts, arrival times, the quick model's weights), passed to each part."""
+  (prompts, arrival times, the quick model's weights), passed to each part. ``dtype``: the served
+  model's compute dtype (``--dtype``; llama.cpp's peer stays F32)."""
   parts = tuple(parts or PARTS)
   if set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
   name = NAME if parts == PARTS else NAME + "_" + "_".join(parts)
   out = run_dir(name, out_dir)
-  model, tok, model_name = _model(quick, seed)
-  config = {"model": model_name, "seed": seed, "load_average_start": round(os.getloadavg()[0], 2)}
+  model, tok, model_name = _model(quick, seed, dtype)
+  config = {"model": model_name, "seed": seed, "dtype": dtype,
+            "load_average_start": round(os.getloadavg()[0], 2)}
   rows, results = [], {}
   if "rates" in parts:
     rows += _rates(quick, model, tok, model_name, config, results, out, seed)
@@ -176,16 +184,16 @@ def _serve_load(servers: dict, model_name: str, load: list, rate: float, max_tok
 
 
 def _peer_load(model, tok, loads: list, rates: list, keys: list, max_tokens: int, results: dict,
-               seed: int = 0) -> str:
+               seed: int = 0, load_ids=None) -> str:
   """The llama.cpp server under the same loads (summaries into ``results[("llama.cpp", key)]``),
-  load i with the arrival times ``reseed(i, seed)`` our servers got; returns what the config
-  records about it."""
+  load i with the arrival times ``reseed(load_ids[i], seed)`` our servers got (``load_ids``
+  default 0, 1, ...); returns what the config records about it."""
   with tempfile.TemporaryDirectory() as tmp:
     proc = _llama_cpp_server(model, tok, Path(tmp), 8791)
     if proc is not None:
       try:
         _wait_http("http://127.0.0.1:8791/v1/models", proc)
-        for i, (load, rate, key) in enumerate(zip(loads, rates, keys)):
+        for i, load, rate, key in zip(load_ids or range(len(loads)), loads, rates, keys):
           res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, reseed(i, seed)))
           results[("llama.cpp", key)] = _summary(res)
           print(f"  llama.cpp @ {key}: {results[('llama.cpp', key)]}", flush=True)
@@ -232,16 +240,19 @@ def _rates(quick, model, tok, model_name, config, results, out, seed: int = 0) -
       asyncio.run(_load(servers["one slot"].url, model_name, [p], 1.0, max_tokens, reseed(0, seed)))
       lat.append(time.perf_counter() - t0)
     per = float(np.median(lat))
-    rates = [round(c / per, 3) for c in (0.5, 1.0, 2.0)]
+    # load i goes with factor FACTORS[i] in both modes; quick leaves out 0.5x (the longest load,
+    # no goal): the goal row, at the top rate, sees the same prompts and arrivals either way
+    used = (1, 2) if quick else (0, 1, 2)
+    rates = [round(FACTORS[i] / per, 3) for i in used]
     config["service_s_per_request"] = round(per, 3)
     config["rates_req_s"] = rates
-    for i, rate in enumerate(rates):  # servers interleaved at each rate (the machine is shared)
+    for i, rate in zip(used, rates):  # servers interleaved at each rate (the machine is shared)
       _serve_load(servers, model_name, load[i], rate, max_tokens, reseed(i, seed), results, rate)
   finally:
     for server in servers.values():
       server.stop()
-  config["llama_cpp"] = _peer_load(model, tok, [load[i] for i in range(3)], rates, rates, max_tokens,
-                                   results, seed)
+  config["llama_cpp"] = _peer_load(model, tok, [load[i] for i in used], rates, rates, max_tokens,
+                                   results, seed, load_ids=used)
   rows = []
   top = rates[-1]
   for rate in rates:

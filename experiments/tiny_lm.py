@@ -12,6 +12,7 @@ plus copy and 2-digit arithmetic at the training length. Exact match is greedy: 
 counts when every answer token is the argmax given the correct prefix (teacher forcing, which
 is identical to greedy decoding of the answer); a few are cross-checked with ``generate``.
 ``--seed S`` draws other evaluation examples (seed 0: the default table); the checkpoint is fixed.
+``--dtype bfloat16`` runs the model in bf16 (parameters stay float32).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 
 import numpy as np
 
-from experiments._cli import reseed
+from experiments._cli import reseed, with_compute_dtype
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "tiny_lm"
@@ -39,12 +40,13 @@ def _variants(model, length: int, train_len: int):
   return out
 
 
-def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
+def run(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -> list[Row]:
+  """``dtype``: the model's compute dtype (``--dtype``; the checkpoint's parameters stay float32)."""
   import jaxsys.models as M
   from jaxsys.data import synthetic as S
   from jaxsys.serving.generation import generate
 
-  model = M.load_tiny_lm()
+  model = with_compute_dtype(M.load_tiny_lm(), dtype)
   train_len = model.config.max_position_embeddings
   meta_path = M.TINY_LM_PATH / "training.json"
   meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -83,7 +85,7 @@ def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   _plot(acc, lengths, train_len, run_dir(NAME, out_dir))
   write_result(NAME, rows, config={"count": count, "lengths": lengths, "train_len": train_len,
                                    "params": model.config.num_params(),
-                                   "training": meta.get("command"), "seed": seed},
+                                   "training": meta.get("command"), "seed": seed, "dtype": dtype},
                quick=quick, out_dir=out_dir, extra={"accuracy": {t: {k: {str(l): a for l, a in v.items()}
                                                                      for k, v in d.items()}
                                                                  for t, d in acc.items()}})

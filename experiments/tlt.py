@@ -38,15 +38,15 @@ import time
 import numpy as np
 
 from experiments import _tlt_grpo, _tlt_smollm2
-from experiments._cli import reseed
+from experiments._cli import reseed, with_compute_dtype
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "tlt"
 PARTS = _tlt_smollm2.PARTS  # --parts: the full (SmolLM2) mode's parts
 
 
-def run_smollm2(out_dir: str, parts=None, seed: int = 0) -> list[Row]:
-  return _tlt_smollm2.run(out_dir, parts, seed=seed)
+def run_smollm2(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
+  return _tlt_smollm2.run(out_dir, parts, seed=seed, dtype=dtype)
 
 
 def _config(quick: bool) -> dict:
@@ -71,18 +71,19 @@ def _config(quick: bool) -> dict:
   )
 
 
-def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
+def run(quick: bool, out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """``parts`` (full mode only): names from ``_tlt_smollm2.PARTS`` to run alone. ``seed``: the
-  run's ``--seed`` (both modes)."""
+  run's ``--seed`` (both modes). ``dtype``: the policy's compute dtype (``--dtype``, both modes;
+  the drafter follows the policy's config)."""
   if not quick:
-    return run_smollm2(out_dir, parts, seed=seed)
+    return run_smollm2(out_dir, parts, seed=seed, dtype=dtype)
   if parts:
     raise ValueError(f"parts={list(parts)}: --parts selects parts of the full (SmolLM2) mode; "
                      "--quick runs the whole tiny-LM pipeline")
-  return run_tiny(quick, out_dir, seed=seed)
+  return run_tiny(quick, out_dir, seed=seed, dtype=dtype)
 
 
-def run_tiny(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
+def run_tiny(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """The tiny trained LM as policy (the whole pipeline, GRPO included; see the module docstring).
   ``seed``: the run's ``--seed``; the policy is the shipped checkpoint whatever it is."""
   import jax
@@ -105,7 +106,7 @@ def run_tiny(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   log = {}
 
   # ---- policy and initial drafter --------------------------------------------------------
-  policy = load_tiny_lm()
+  policy = with_compute_dtype(load_tiny_lm(), dtype)
   mix = dict(long_copy=cfg["long_copy"])
   long_sampler = tasks.LongTailMix(long_fraction=1.0, seed=reseed(5, seed), **mix)
   chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
@@ -204,7 +205,7 @@ def run_tiny(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   _plots(out, curve, hist)
   config = dict(cfg, policy={k: str(v) for k, v in policy.config.__dict__.items()},
                 chain=chain.name, tree=tree.name, compilations=pool.compilations, **summary,
-                seconds=time.perf_counter() - t_start, seed=seed)
+                seconds=time.perf_counter() - t_start, seed=seed, dtype=dtype)
   write_result(NAME, rows, config=config, quick=quick, out_dir=out_dir,
                extra={"curves": curve, "grpo": {k: v for k, v in hist.items()}, "warm": log})
   return rows

@@ -7,10 +7,10 @@
     for dense (jaxsys.ops.attention), sparse (edges) and reformed (METIS reorder + ECR with the
     auto-tuned threshold), and the fraction of edges in dense tiles before/after reordering;
     plus a GT training run at the largest size; and reformed vs sparse as clusters get denser
-    (SBM communities of 32, 64, 128 nodes at the same degree).
+    (SBM communities of 32, 64, 128 nodes at the same degree; quick: 32 and 128).
 (c) PyG TransformerConv (torch-geometric, CPU) vs our GraphAttention layer, same graphs/dims,
     forward+backward (skipped with a note if torch_geometric is not importable).
-(d) largest node count trainable per device vs devices (1, 2, 4, 8 simulated), from XLA's
+(d) largest node count trainable per device vs devices (1, 2, 4, 8 simulated; quick: 1 and 8), from XLA's
     compiled memory plan of the graph-parallel training step and a per-device budget.
 
 ``run(quick, out_dir, parts=None, mesh=None, seed=0)``: every literal seed (model seeds, SBM graphs,
@@ -45,10 +45,11 @@ THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off wher
 def _settings(quick: bool, seed: int = 0) -> dict:
   if quick:
     # (a): GT dual + GCN on 2 seeds; the dense GT (~1 s/step on 2 CPU cores) is a short run.
+    # (d) on 1 and 8 devices and the sweep's two ends: every point is a compile
     s = dict(seeds=[0, 1], dense_seeds=[0], steps=200, dense_steps=5, sizes=[10_000, 100_000],
-             dense_max=10_000, train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 2, 4, 8],
+             dense_max=10_000, train_nodes=100_000, pyg_sizes=[10_000, 100_000], devices=[1, 8],
              mem_sizes=(2_000, 8_000), budget_gib=2.0, iters=2, sweep_nodes=10_000,
-             communities=(32, 64, 128))
+             communities=(32, 128))
   else:
     s = dict(seeds=list(range(10)), dense_seeds=list(range(10)), steps=200, dense_steps=200,
              sizes=[10_000, 100_000, 1_000_000], dense_max=20_000, train_nodes=1_000_000,

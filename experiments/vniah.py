@@ -61,9 +61,10 @@ def train_stage(model, spec, *, frames, steps, lr, batch_size, seed, mesh, plan)
   return res.history, time.perf_counter() - t0, seq
 
 
-def run(quick: bool, out_dir: str, mesh: dict | None = None, seed: int = 0):
+def run(quick: bool, out_dir: str, mesh: dict | None = None, seed: int = 0, dtype: str = "float32"):
   """``mesh``: the evaluation's (and full mode's training) ring x ulysses mesh, default 2 x 4.
-  ``seed``: the run's ``--seed`` (the visual world, the videos and the initial weights)."""
+  ``seed``: the run's ``--seed`` (the visual world, the videos and the initial weights).
+  ``dtype``: the LM's compute dtype (``--dtype``; parameters and the frame encoder stay float32)."""
   axes = dict(mesh or {"ring": 2, "ulysses": 4})
   if set(axes) - {"ring", "ulysses"}:
     raise ConfigError(f"--mesh {axes}: vniah takes ring=R,ulysses=U")
@@ -85,7 +86,7 @@ def run(quick: bool, out_dir: str, mesh: dict | None = None, seed: int = 0):
     grid_frames, depths, samples = [4, 8, 16, 32, 48, 64], [0.0, 0.25, 0.5, 0.75, 1.0], 8
     train_sp = True
   cfg = VLMConfig()
-  cfg = VLMConfig(lm=cfg.lm.replace(rope=RopeConfig(theta=theta)))
+  cfg = VLMConfig(lm=cfg.lm.replace(rope=RopeConfig(theta=theta), dtype=dtype))
   sp_mesh = make_mesh({"ring": axes.get("ring", 1), "ulysses": axes.get("ulysses", 1)})
   single = make_mesh({"ring": 1}, jax.devices()[:1])
   train_mesh = sp_mesh if train_sp else None
@@ -136,7 +137,7 @@ def run(quick: bool, out_dir: str, mesh: dict | None = None, seed: int = 0):
             "extension_stage": {"frames": [2, f2], "steps": s2, "batch": bs // 2, "lr": lr / 2,
                                 "seq_len": seq2, "rope_theta": theta * theta_scale,
                                 "seconds": round(t2, 1)},
-            "train_under_sp_mesh": train_sp, "seed": seed,
+            "train_under_sp_mesh": train_sp, "seed": seed, "dtype": dtype,
             "eval": {"strategy": "hybrid", "mesh": dict(sp_mesh.shape), "frames": grid_frames,
                      "depths": depths, "samples_per_cell": samples, "seconds": round(t_eval, 1)},
             "model": {"vision_hidden": cfg.vision_hidden, "vision_layers": cfg.vision_layers,

@@ -110,3 +110,37 @@ def test_every_experiment_that_builds_a_mesh_takes_mesh_and_the_readme_says_whic
   assert named and set(re.findall(r"`(\w+)`", named.group(1))) == builds
   dtype = re.search(r"take `--mesh`\s+\(`[^`]*`\);\s+(.*?) takes? `--dtype`", readme, re.S)
   assert dtype and set(re.findall(r"`(\w+)`", dtype.group(1))) == takes["dtype"]
+  # every experiment with a decoder LM takes --dtype (real_lm times each precision itself)
+  lm = re.compile(r"load_tiny_lm|load_pretrained|from_hf_model|DecoderConfig\(|VLMConfig\(")
+  with_lm = {n for n, (m, _, _) in REGISTRY.items()
+             if lm.search((ROOT / (m.replace(".", "/") + ".py")).read_text())}
+  assert with_lm - {"real_lm"} == takes["dtype"]
+
+
+def test_dtype_flag_runs_the_model_in_that_compute_dtype():
+  """``--dtype`` (``with_compute_dtype``): float32 is the model itself; bfloat16 computes in bf16
+  with the parameters untouched, and agrees with float32 to bf16 precision."""
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from experiments._cli import with_compute_dtype
+  from jaxsys.models import DecoderConfig
+  from jaxsys.models.decoder import random_model
+  cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, max_position_embeddings=64)
+  model = random_model(cfg, seed=0)
+  assert with_compute_dtype(model, "float32") is model
+  bf16 = with_compute_dtype(model, "bfloat16")
+  assert (bf16.config.dtype, bf16.config.param_dtype) == ("bfloat16", "float32")
+  assert all(p.dtype == jnp.float32 for p in jax_leaves(nnx.state(bf16, nnx.Param)))
+  tokens = jnp.arange(16, dtype=jnp.int32)[None] % 64
+  ref, got = model(tokens), bf16(tokens)  # [1, 16, vocab] logits (returned in float32)
+  # bf16 compute shows as bf16-sized differences: not zero (it did run in bf16), not more
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
+  assert np.isfinite(err) and 0 < err < 0.05 * float(jnp.max(jnp.abs(ref))) + 0.05, err
+
+
+def jax_leaves(tree):
+  import jax
+  return jax.tree_util.tree_leaves(tree)
