@@ -50,9 +50,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: Wall seconds of each ``--quick`` run on 2 idle CPU cores (the fresh-clone run of
 #: experiments/README.md); only the progress line's estimate of the time left uses them.
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 55, "decode_speed": 20, "real_lm": 190, "tiny_lm": 45, "mmsp": 45, "vniah": 60,
-    "mrsp": 180, "lserve": 95, "serving": 100, "tlt": 100, "torchgt": 150, "gnn_quant": 60, "cluster": 45,
-    "spiking_nerf": 50, "date": 105,
+    "attention": 43, "decode_speed": 18, "real_lm": 156, "tiny_lm": 43, "mmsp": 40, "vniah": 49,
+    "mrsp": 120, "lserve": 79, "serving": 90, "tlt": 107, "torchgt": 140, "gnn_quant": 64, "cluster": 46,
+    "spiking_nerf": 54, "date": 101,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
