@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import flash_tiles
+
 __all__ = ["BACKENDS", "block_sparse_nodes", "BlockSizes", "check_kv_cells", "flash_attention",
            "KernelConfig", "layout_cells"]
 
@@ -40,19 +42,28 @@ BACKENDS = ("triton", "mosaic")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Kernel tile sizes. Hardware rules (checked by the compilers, not here): Triton wants powers
-  of two (>= 16 for dots); Mosaic wants ``block_q % 8 == 0`` and ``block_k % 128 == 0``."""
+  """Kernel tile sizes and (Triton only) launch parameters. Hardware rules (checked by the
+  compilers, not here): Triton wants powers of two (>= 16 for dots); Mosaic wants ``block_q % 8
+  == 0`` and ``block_k % 128 == 0``. ``num_warps`` / ``num_stages``: None takes them from
+  ``pallas_kernels.flash_tiles.TRITON_TILES`` for the call's dtype and head_dim."""
   block_q: int = 128
   block_k: int = 128
+  num_warps: int | None = None
+  num_stages: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
+    if self.num_warps is not None and (self.num_warps < 1 or self.num_warps & (self.num_warps - 1)):
+      raise ValueError(f"num_warps={self.num_warps!r} must be a power of two")
+    if self.num_stages is not None and self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages!r} must be >= 1")
 
   @classmethod
-  def for_mask(cls, mask, *, q_len: int, kv_len: int, backend: str = "triton") -> "BlockSizes":
+  def for_mask(cls, mask, *, q_len: int, kv_len: int, backend: str = "triton",
+               itemsize: int | None = None, head_dim: int | None = None) -> "BlockSizes":
     """Tiles that follow the mask's structure (``mask.granularity``, as
     ``jaxsys.ops.attn.xla.XlaBlockSizes.for_mask``), within what the backend's lowering accepts.
 
@@ -82,6 +93,10 @@ class BlockSizes:
     Mosaic's lowering checks only the ``% 8`` / ``% 128`` rule (``jax.export`` for "tpu"
     accepts ``block_q`` = 8, 16, 40, ...); bf16 packs 16 rows per vreg, so multiples of 16 waste
     less. Raises ``NotImplementedError`` when no tile meets a layout's cells on that backend.
+
+    On Triton, given the inputs' ``itemsize`` and the padded ``head_dim``, the target tile is
+    capped by that row of ``flash_tiles.TRITON_TILES`` (the largest tile that compiles for sm_90a
+    without spills) and the launch parameters come from it (``flash_tiles.launch``).
     """
     if backend not in BACKENDS:
       raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
@@ -90,19 +105,26 @@ class BlockSizes:
         raise ValueError(f"{name}={value!r} must be a positive int")
     g = None if mask is None else mask.granularity
     target = cls.block_q if g is None else min(cls.block_q, g)
+    target_k, launch = target, (None, None)
+    tuned = backend == "triton" and itemsize is not None and head_dim is not None
+    if tuned:
+      row = flash_tiles.triton_tile(itemsize, head_dim)
+      target, target_k = min(target, row.block_q), min(target, row.block_k)
     cells_q, cells_k = layout_cells(mask)
     bq = _q_tile(target, cells_q, q_len, backend)
     if backend == "mosaic":
       bk = _MOSAIC_LANES
     else:
-      bk = _pow2_floor(target)
+      bk = _pow2_floor(target_k)
       if cells_k:  # the largest power of two dividing every layout block_k
         common = math.gcd(*cells_k)
         bk = min(bk, common & -common)
       bk = max(bk, _TRITON_MIN)
       bk = min(bk, max(_TRITON_MIN, _next_pow2(kv_len)))
     check_kv_cells(bk, cells_k, backend)
-    return cls(bq, bk)
+    if tuned:
+      launch = flash_tiles.launch(bq, bk, itemsize, head_dim)
+    return cls(bq, bk, *launch)
 
 
 _TRITON_MIN = 16     # smallest Triton dot operand dim

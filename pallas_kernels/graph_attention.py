@@ -52,6 +52,19 @@ class TileBlocks:
     if self.num_stages <= 0:
       raise ConfigError(f"num_stages={self.num_stages} must be positive")
 
+  @classmethod
+  def for_tile(cls, b: int, d: int) -> "TileBlocks":
+    """The verified Triton launch for ``b x b`` tiles of head dim ``d`` (``TRITON_TILES``:
+    forward and backward compiled offline for sm_90a within 227 KiB of shared memory and without
+    spills); ``NotImplementedError`` beyond the table (``impl="auto"`` falls back to XLA)."""
+    for (tb, td), cfg in sorted(TRITON_TILES.items()):
+      if b <= tb and d <= td:
+        return cfg
+    raise NotImplementedError(
+        f"graph tile attention on Triton has no verified launch for {b} x {b} tiles at head_dim "
+        f"{d} (verified: {sorted(TRITON_TILES)}; at 128 x 128 the backward needs >= 290 KiB of "
+        "shared memory); the XLA twin runs it")
+
   def resolve(self, b: int, backend: str = "triton") -> int:
     bk = self.block_k or b
     if b % bk:
@@ -60,6 +73,17 @@ class TileBlocks:
       raise ConfigError(f"block_k={bk} must be the whole tile ({b}) or a multiple of 128 on "
                         "Mosaic (the bits are sliced along their lane dim)")
     return bk
+
+
+#: (tile size B, head dim D) -> the launch that fits an H100 at every smaller (B, D), from the
+#: offline sm_90a compile (pallas_kernels/offline.py) on 2026-12-06: forward / backward shared
+#: memory and registers. At the default launch (whole-tile keys, 4 warps) B=128 D=64 spilled
+#: 1.8 KB in the backward and B=128 D=128 needed 392 KiB.
+TRITON_TILES = {
+    (64, 64): TileBlocks(None, 4, 1),     # f32: 52 / 100 KiB, 90 / 195 registers
+    (64, 128): TileBlocks(None, 8, 1),    # f32: 100 / 196 KiB, 90 / 186 registers
+    (128, 64): TileBlocks(32, 8, 1),      # f32: 52 / 152 KiB, 127 / 146 registers
+}
 
 
 def _loop(n, body, init):
@@ -212,12 +236,15 @@ def tile_attention(qt, kt, vt, bits, *, scale: float, blocks: TileBlocks | None 
   ``(o [T, B, H, D], lse [T, H, B] float32)``; differentiable (custom VJP).
 
   ``backend``: "triton", "mosaic" or None (Mosaic on a TPU default backend, else Triton).
+  ``blocks``: None takes ``TileBlocks.for_tile`` on compiled Triton (which refuses tiles beyond
+  the verified table with ``NotImplementedError``) and ``TileBlocks()`` otherwise.
   """
-  blocks = blocks or TileBlocks()
   backend = resolve_backend(backend)
   if qt.ndim != 4 or kt.shape != qt.shape or vt.shape != qt.shape:
     raise ShapeError(f"qt/kt/vt must share [T, B, H, D], got {qt.shape}, {kt.shape}, {vt.shape}")
   t, b, h, d = qt.shape
+  if blocks is None:
+    blocks = TileBlocks.for_tile(b, d) if backend == "triton" and not interpret else TileBlocks()
   if bits.shape != (t, b, b):
     raise ShapeError(f"bits must be [T={t}, B={b}, B={b}], got {bits.shape}")
   qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (qt, kt, vt))  # [T, H, B, D]

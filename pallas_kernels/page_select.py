@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend  # noqa: F401  (re-exported)
 
 __all__ = ["BACKENDS", "resolve_backend", "page_scores_pallas", "PageSelectBlocks", "TPU_SMEM_BUDGET_BYTES"]
 
@@ -122,13 +122,22 @@ def page_scores_pallas(q, kmin, kmax, block_table, lengths, *, page_size, logica
   ``backend``: "triton", "mosaic" or None (Mosaic on a TPU default backend, else Triton);
   ``blocks`` only tunes the Triton launch. The Mosaic path raises ``NotImplementedError`` when
   the block table does not fit ``TPU_SMEM_BUDGET_BYTES`` (callers fall back to the XLA twin).
+  On Triton the GQA group is padded to a power of two with copies of the group's first query
+  head (the score is a max over the group, so copies leave it unchanged: SmolLM2's group of 3
+  runs as 4); a head_dim or logical-page count that is not a power of two raises
+  ``NotImplementedError`` before tracing (``impl="auto"`` then runs the XLA twin).
   """
   backend = resolve_backend(backend)
   b, h, d = q.shape
   n, hk, nl, _ = kmin.shape
+  require_triton_pow2("page scores", backend, interpret, head_dim=d, logical_pages=nl)
   g = h // hk
   m = block_table.shape[1]
   qg = q.reshape(b, hk, g, d)
+  if backend == "triton" and g & (g - 1):  # [b, hk, G, d], G the next power of two
+    gp = 1 << (g - 1).bit_length()
+    qg = jnp.concatenate([qg, jnp.broadcast_to(qg[:, :, :1], (b, hk, gp - g, d))], axis=2)
+    g = gp
   bt, lens = block_table.astype(jnp.int32), lengths.astype(jnp.int32)
   if backend == "mosaic":
     return _mosaic_call(qg, bt, lens, kmin, kmax, logical_page_size=logical_page_size,

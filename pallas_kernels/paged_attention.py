@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend  # noqa: F401  (re-exported)
 
 __all__ = ["BACKENDS", "resolve_backend", "paged_decode_partials", "PagedDecodeBlocks", "TPU_SMEM_BUDGET_BYTES"]
 
@@ -171,11 +171,15 @@ def paged_decode_partials(q, k_pages, v_pages, page_indices, page_numbers, lengt
                           interpret: bool = False, backend: str | None = None):
   """Unnormalised partials ``(o [b, hk, S, G, d], m, l [b, hk, S, G])``; G = padded group.
 
-  ``backend``: "triton", "mosaic" or None (Mosaic on a TPU default backend, else Triton).
+  ``backend``: "triton", "mosaic" or None (Mosaic on a TPU default backend, else Triton). Triton
+  needs a power-of-two ``head_dim`` and page size (SmolLM2's 64 and Llama's 128 are); other sizes
+  raise ``NotImplementedError`` before tracing, and ``impl="auto"`` runs the XLA twin (padding
+  the head dim would copy the whole KV pool every step). Any GQA group runs: it is padded.
   """
   backend = resolve_backend(backend)
   b, h, d = q.shape
   n, hk, p, _ = k_pages.shape
+  require_triton_pow2("paged decode", backend, interpret, head_dim=d, page_size=p)
   g = h // hk
   # Triton: a power of two >= 16 rows for tl.dot; Mosaic: whole 8-row sublane tiles.
   gp = max(16, pl.next_power_of_2(g)) if backend == "triton" else -(-g // 8) * 8

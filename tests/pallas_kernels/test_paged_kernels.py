@@ -156,3 +156,35 @@ def test_paged_decode_mosaic_refuses_tables_beyond_smem():
   tab = jnp.zeros((2, 2, kk), jnp.int32)
   with pytest.raises(NotImplementedError, match="SMEM"):
     kernel.paged_decode_partials(q, kp, vp, tab, tab, lengths, scale=0.25, backend="mosaic")
+
+
+# ----------------------------------------------------------------------------- the project's shapes
+
+
+def test_page_scores_pads_a_gqa_group_of_three():
+  """SmolLM2's 9 query / 3 kv heads: the Triton path pads the group to 4 with copies of a query
+  head (interpret mode, vs the XLA twin) and lowers for CUDA, where the unpadded group failed."""
+  q, kmin, kmax, bt, lengths = _select_inputs(h=9, hk=3, d=64, n=16, nl=4, m=8)
+  ref = page_scores_xla(q, kmin, kmax, bt, lengths, page_size=64, logical_page_size=16)
+  out = page_scores_pallas(q, kmin, kmax, bt, lengths, page_size=64, logical_page_size=16,
+                           interpret=True, backend="triton")
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+  fn = lambda *a: page_scores_pallas(*a, page_size=64, logical_page_size=16, backend="triton")
+  assert "lserve_page_scores" in _export_cuda(fn, q, kmin, kmax, bt, lengths).mlir_module()
+
+
+@pytest.mark.parametrize("kernel", ["select", "decode"])
+def test_triton_refuses_a_head_dim_that_is_not_a_power_of_two(kernel):
+  """head_dim 80: NotImplementedError before tracing (``impl="auto"`` then runs the XLA twin);
+  interpret mode still runs it."""
+  if kernel == "select":
+    q, kmin, kmax, bt, lengths = _select_inputs(d=80)
+    call = lambda **kw: page_scores_pallas(q, kmin, kmax, bt, lengths, page_size=16,
+                                           logical_page_size=4, backend="triton", **kw)
+  else:
+    q, kp, vp, idx, num, lengths = _decode_inputs(d=80)
+    call = lambda **kw: paged_decode_pallas(q, kp, vp, idx, num, lengths, scale=0.1, sink=None,
+                                            window=None, **kw)
+  with pytest.raises(NotImplementedError, match="head_dim=80"):
+    jax.jit(lambda: call())()  # the compiled path (backend triton on any host)
+  jax.block_until_ready(call(interpret=True))  # interpret mode runs any size

@@ -26,6 +26,7 @@ from jaxsys.ops import masks as M
 from jaxsys.ops.attn import layout as layout_lib
 from jaxsys.ops.attn.common import AttentionArgs
 from pallas_kernels import flash_attention as fa
+from pallas_kernels import flash_tiles as fta
 
 __all__ = ["BlockSizes", "pallas_attention", "pallas_compiled", "pallas_interpreted"]
 
@@ -93,9 +94,11 @@ def _visible_fn(mask, nodes, slots):
   return fn
 
 
-def _choose_blocks(bs: fa.BlockSizes | None, mask, tq, tk, nodes, backend):
+def _choose_blocks(bs: fa.BlockSizes | None, mask, tq, tk, nodes, backend, itemsize=None,
+                   head_dim=None):
   if bs is None:
-    bs = fa.BlockSizes.for_mask(mask, q_len=tq, kv_len=tk, backend=backend)
+    bs = fa.BlockSizes.for_mask(mask, q_len=tq, kv_len=tk, backend=backend, itemsize=itemsize,
+                                head_dim=head_dim)
     return bs.block_q, bs.block_k
   # Explicit sizes, clipped to short lengths and shrunk to a common divisor of the layout cells
   # (each tile inside one cell); Mosaic kv tiles instead stay over whole columns when they can
@@ -147,16 +150,30 @@ def _block_bits(nodes, slots, lay: layout_lib.BlockLayout):
 
 
 def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = None, *,
-                     backend: str = "triton", interpret: bool = False, num_warps: int = 4,
-                     num_stages: int = 2):
-  """``(out [b, q, h, dv], lse [b, h, q])`` via the Pallas kernel."""
+                     backend: str = "triton", interpret: bool = False, num_warps: int | None = None,
+                     num_stages: int | None = None):
+  """``(out [b, q, h, dv], lse [b, h, q])`` via the Pallas kernel.
+
+  Compiled Triton calls take their tiles and launch parameters from
+  ``pallas_kernels.flash_tiles.TRITON_TILES`` (the verified sm_90a table) unless ``block_sizes``
+  / ``num_warps`` / ``num_stages`` say otherwise, and refuse with ``NotImplementedError`` --
+  before anything is traced, so ``impl="auto"`` falls back -- a head_dim beyond the table or
+  tiles whose shared memory exceeds an H100's (``flash_tiles.check_smem``)."""
   q, k, v = args.q, args.k, args.v
   b, tq, h, d = q.shape
   tk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   nodes = fa.block_sparse_nodes(args.mask)
   if len(nodes) > 31:
     raise NotImplementedError(f"at most 31 BlockSparse masks per call, got {len(nodes)}")
-  bq, bk = _choose_blocks(block_sizes, args.mask, tq, tk, nodes, backend)
+  d_p = max(16, _next_pow2(d)) if backend == "triton" else d
+  dv_p = max(16, _next_pow2(dv)) if backend == "triton" else dv
+  hw = backend == "triton" and not interpret  # the sm_90a budgets apply to compiled Triton only
+  size = jnp.dtype(q.dtype).itemsize
+  bq, bk = _choose_blocks(block_sizes, args.mask, tq, tk, nodes, backend,
+                          *((size, max(d_p, dv_p)) if hw else (None, None)))
+  num_warps, num_stages = _launch(block_sizes, bq, bk, size, max(d_p, dv_p), num_warps, num_stages, hw)
+  if hw:
+    fta.check_smem(bq, bk, d_p, dv_p, size, num_stages)
   slots = _bit_slots(nodes, bk)
   lay = layout_lib.compile_layout(args.mask, heads=h, q_len=tq, kv_len=tk, block_q=bq,
                                   block_k=bk, q_offset=args.static_offset)
@@ -179,8 +196,6 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
   # Padding rows of the tables (beyond the real block count) visit nothing.
   tab = _pad_rows(tab, tq_p // bq)
   tab_t = _pad_rows(tab_t, tk_p // bk)
-  d_p = max(16, _next_pow2(d)) if backend == "triton" else d
-  dv_p = max(16, _next_pow2(dv)) if backend == "triton" else dv
   cfg = fa.KernelConfig(heads=h, kv_heads=hk, table_heads=cls.shape[0], visits=v_fwd,
                         visits_t=v_bwd, block_q=bq, block_k=bk, scale=args.scale, q_len=tq,
                         kv_len=tk, visible_fn=_visible_fn(args.mask, nodes, slots), backend=backend,
@@ -205,6 +220,17 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
                                 qseg[:, :, None], kseg[:, None, :])
   out = out.transpose(0, 2, 1, 3)[:, :tq, :, :dv]                     # [b, q, h, dv]
   return out, lse[:, :, :tq, 0]
+
+
+def _launch(bs, bq, bk, itemsize, head_dim, num_warps, num_stages, hw):
+  """``(num_warps, num_stages)``: the arguments, else ``bs``'s, else the verified table's (compiled
+  Triton) or the kernel's defaults (4, 2)."""
+  warps = num_warps or (bs.num_warps if bs is not None else None)
+  stages = num_stages or (bs.num_stages if bs is not None else None)
+  if warps is None or stages is None:
+    table = fta.launch(bq, bk, itemsize, head_dim) if hw else (4, 2)
+    warps, stages = warps or table[0], stages or table[1]
+  return warps, stages
 
 
 def _pad_rows(tab, n):
