@@ -8,7 +8,8 @@ and its public function calls ``dispatcher(impl, *args, **kwargs)``:
 * ``impl=<name>``: that implementation only;
 * an implementation that cannot serve a call raises ``NotImplementedError`` with the reason and
   the next one is tried; when none is left, ``ImplementationError`` (a ``NotImplementedError``)
-  lists every implementation tried and its reason -- for an explicit impl, the one reason;
+  lists every implementation tried and its reason -- for an explicit impl, the one reason; each
+  fallback is logged (logger ``jaxsys.dispatch``, INFO) with the refusal's reason;
 * a name that is not one of the op's implementations raises ``ConfigError`` listing the choices.
 
 The Pallas kernels pick Triton on GPU and Mosaic on TPU themselves (``backend=None``). A kernel
@@ -23,6 +24,7 @@ import error propagates: a broken backend is never silently replaced by another 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 import jax
@@ -33,6 +35,7 @@ __all__ = ["ACCELERATORS", "auto_order", "Dispatcher", "ImplementationError", "I
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 ACCELERATORS = ("gpu", "tpu")
+_log = logging.getLogger("jaxsys.dispatch")
 
 
 class ImplementationError(JaxsysError, NotImplementedError):
@@ -98,9 +101,12 @@ class Dispatcher:
 
   def __call__(self, impl: str, *args, **kwargs):
     reasons = {}
-    for name in self.order(impl):
+    order = self.order(impl)
+    for i, name in enumerate(order):
       try:
         return self.get(name)(*args, **kwargs)
       except NotImplementedError as e:
         reasons[name] = str(e)
+        if i + 1 < len(order):  # once per trace: say why the next implementation serves the call
+          _log.info("%s: %s refused this call (%s); trying %s", self.op, name, e, order[i + 1])
     raise ImplementationError(self.op, reasons)

@@ -218,3 +218,49 @@ def test_tpu_kernel_refusal_reaches_the_dispatcher_with_its_reason(monkeypatch):
   with pytest.raises(ImplementationError, match=r"pallas: the Mosaic quantized aggregation .*SMEM"):
     op("pallas")
   np.testing.assert_array_equal(op("auto"), op("xla"))
+
+
+# ----------------------------------------------------------------------------- real kernels past their budgets
+
+
+def _on_gpu(monkeypatch):
+  """The dispatchers and kernels as a GPU host sees them: ``auto`` tries compiled Pallas (Triton)
+  first. Only refused cases are run, so nothing reaches a GPU compiler."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def _budget_cases():
+  from jaxsys.ops import masks as M
+  from jaxsys.ops.attn.api import attention
+  from jaxsys.ops.paged_attention import paged_decode_attention
+  from jaxsys.serving.page_select import page_scores
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, 64, 2, 256)), jnp.bfloat16)      # head_dim beyond the table
+  q = jnp.asarray(rng.standard_normal((1, 4, 80)), jnp.float32)            # head_dim 80 on Triton
+  pages = jnp.asarray(rng.standard_normal((6, 2, 16, 80)), jnp.float32)
+  stats = jnp.asarray(rng.standard_normal((6, 2, 4, 80)), jnp.float32)
+  idx, lens = jnp.asarray([[[0, 1, 2], [3, 4, 5]]], jnp.int32), jnp.asarray([40], jnp.int32)
+  num = jnp.asarray([[[0, 1, 2], [0, 1, 2]]], jnp.int32)
+  table = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
+  return {
+      "attention": (lambda impl: attention(x, x, x, mask=M.Causal(), impl=impl), "head_dim=256"),
+      "paged decode": (lambda impl: paged_decode_attention(q, pages, pages, idx, num, lens, impl=impl)[0],
+                       "head_dim=80"),
+      "page scores": (lambda impl: page_scores(q, stats, stats, table, lens, page_size=16,
+                                               logical_page_size=4, impl=impl), "head_dim=80"),
+  }
+
+
+@pytest.mark.parametrize("op", ["attention", "paged decode", "page scores"])
+def test_auto_falls_back_from_a_kernel_past_its_budget(monkeypatch, caplog, op):
+  """On a GPU host, a case the Triton kernel cannot compile is refused before tracing: ``auto``
+  returns the XLA twin's result and logs why; the explicit ``pallas`` impl names the reason."""
+  call, reason = _budget_cases()[op]
+  ref = np.asarray(call("xla"), np.float32)
+  _on_gpu(monkeypatch)
+  with caplog.at_level("INFO", logger="jaxsys.dispatch"):
+    got = np.asarray(call("auto"), np.float32)
+  np.testing.assert_array_equal(got, ref)
+  assert reason in caplog.text and "trying xla" in caplog.text
+  with pytest.raises(NotImplementedError, match=reason):
+    call("pallas")
