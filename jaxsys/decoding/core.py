@@ -230,11 +230,13 @@ def _stream(step, tokens):
 
 
 def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: int,
-                use_top_p: bool, num_steps: int, with_hidden: bool, stream: bool = False):
+                use_top_p: bool, num_steps: int, with_hidden: bool, stream: bool = False,
+                use_min_p: bool = False):
   """Samples up to ``num_steps`` (static bucket) tokens per row, stopping at ``params['max_new']``
   or when every row hit one of ``params['stops']``; one :func:`step` per token.
 
-  ``params``: traced ``seed``, ``temperature``, ``top_p``, ``max_new`` and ``stops int32[n]``.
+  ``params``: traced ``seed``, ``temperature``, ``top_p``, ``min_p``, ``max_new`` and ``stops
+  int32[n]`` (``jaxsys.decoding.sampling.loop_params`` builds them with the static mode).
   Returns ``(tokens int32[b, num_steps], logprobs f32[b, num_steps], hidden or None,
   counts int32[b], finished bool[b], cache)``; ``logprobs`` are the model's (temperature 1, before
   top-k/top-p) log-probabilities of the chosen tokens."""
@@ -245,7 +247,8 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
   def pick(logits, i):
     tok = sample_logits(jax.random.fold_in(key, i), logits, greedy=greedy,
                         temperature=params["temperature"], top_k=top_k,
-                        top_p=params["top_p"] if use_top_p else None)
+                        top_p=params["top_p"] if use_top_p else None,
+                        min_p=params["min_p"] if use_min_p else None)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
     return tok, logp
 
@@ -307,10 +310,10 @@ def jit_prefill_embeds(graphdef, state, embeds, lengths, cache, group, with_hidd
 def jit_decode_loop(graphdef, state, cache, logits0, hidden0, params, mode, num_steps, with_hidden,
                     stream=False):
   count_trace("decoding.decode")
-  greedy, top_k, use_top_p = mode
+  greedy, top_k, use_top_p, use_min_p = mode  # sampling.loop_params
   return decode_loop(nnx.merge(graphdef, state), cache, logits0, hidden0, params, greedy=greedy,
                      top_k=top_k, use_top_p=use_top_p, num_steps=num_steps, with_hidden=with_hidden,
-                     stream=stream)
+                     stream=stream, use_min_p=use_min_p)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

@@ -121,12 +121,27 @@ def sample(key, logits, params: SamplingParams):
   return jax.random.categorical(key, filtered_logits(logits, params), axis=-1).astype(jnp.int32)
 
 
-def sample_logits(key, logits, *, greedy: bool, temperature=1.0, top_k: int = 0, top_p=None):
-  """:func:`sample` with traced ``temperature`` / ``top_p`` (``top_p=None``: off; ``greedy`` and
-  ``top_k`` static): ``logits float32[..., vocab] -> int32[...]``."""
+def sample_logits(key, logits, *, greedy: bool, temperature=1.0, top_k: int = 0, top_p=None,
+                  min_p=None):
+  """:func:`sample` with traced ``temperature`` / ``top_p`` / ``min_p`` (None: off; ``greedy``
+  and ``top_k`` static): ``logits float32[..., vocab] -> int32[...]``."""
   if greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, _filter(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+  x = _filter(logits, temperature, top_k, top_p, min_p)
+  return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def loop_params(params: SamplingParams, *, max_new: int, stops) -> tuple[tuple, dict]:
+  """What the on-device decode loop (``jaxsys.decoding.core.decode_loop``) takes for
+  ``params``: ``(mode, traced)`` with ``mode = (greedy, top_k, use_top_p, use_min_p)`` static and
+  ``traced`` the seed, temperature, top_p, min_p, ``max_new`` and ``stops int32[n]`` arrays. The
+  one place these are built: every caller of the loop (``generate``, video GRPO) samples from
+  :func:`target_probs`' distribution, min-p included."""
+  mode = (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0)
+  traced = {"seed": jnp.uint32(params.seed), "temperature": jnp.float32(max(params.temperature, 1e-6)),
+            "top_p": jnp.float32(params.top_p), "min_p": jnp.float32(params.min_p),
+            "max_new": jnp.int32(max_new), "stops": jnp.asarray(tuple(stops) or (-1,), jnp.int32)}
+  return mode, traced
 
 
 def sample_probs(key, probs):

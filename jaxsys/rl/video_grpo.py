@@ -55,6 +55,7 @@ from jaxsys.core.mesh import auto_mesh
 from jaxsys.data import video
 from jaxsys.decoding import core
 from jaxsys.decoding.cache import KVCache
+from jaxsys.decoding.sampling import SamplingParams, loop_params
 from jaxsys.parallel import zigzag as zz
 from jaxsys.rl import grpo
 from jaxsys.rl import video_tasks as vt
@@ -373,11 +374,10 @@ class VideoGRPOTrainer:
     lengths = jnp.full((n,), p, jnp.int32)
     self.prefill_rows.append(n)
     logits0, _, cache = core.jit_prefill_embeds(lm_gdef, lm_state, embeds, lengths, cache, g)
-    params = {"seed": jnp.int32(seed), "temperature": jnp.float32(c.temperature),
-              "top_p": jnp.float32(1.0), "max_new": jnp.int32(c.max_new),
-              "stops": jnp.asarray([video.EOS], jnp.int32)}
+    mode, params = loop_params(SamplingParams(0.0 if greedy else c.temperature, seed=seed),
+                               max_new=c.max_new, stops=[video.EOS])
     toks, logps, _, counts, _, _ = core.jit_decode_loop(lm_gdef, lm_state, cache, logits0, None, params,
-                                                        (greedy, 0, False), c.max_new, False)
+                                                        mode, c.max_new, False)
     toks, counts = np.asarray(toks), np.asarray(counts)
     self.rollout_logprobs = [np.asarray(logps)[i, :counts[i]] for i in range(n * g)]  # the sampler's
     return [toks[i, :counts[i]].tolist() for i in range(n * g)]

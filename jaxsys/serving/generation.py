@@ -52,7 +52,7 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.decoding import core
 from jaxsys.decoding.cache import KVCache
 from jaxsys.decoding.core import bucket, context_length, describe_context  # noqa: F401
-from jaxsys.decoding.sampling import GREEDY, SamplingParams
+from jaxsys.decoding.sampling import GREEDY, SamplingParams, loop_params
 
 __all__ = [
     "bucket", "context_length", "decode_step", "default_stop_tokens", "describe_context", "encode_prompts",
@@ -114,13 +114,11 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: SamplingParams | 
                                         cache, return_hidden)
   logits0.block_until_ready()
   t1 = time.perf_counter()
-  params = {"seed": jnp.uint32(s.seed), "temperature": jnp.float32(max(s.temperature, 1e-6)),
-            "top_p": jnp.float32(s.top_p), "max_new": jnp.int32(max_new_tokens),
-            "stops": jnp.asarray(stops if stops else (-1,), jnp.int32)}
+  mode, params = loop_params(s, max_new=max_new_tokens, stops=stops)
   with core.streaming(on_token):
     out_tok, out_logp, out_h, counts, finished, _ = core.jit_decode_loop(
-        graphdef, state, cache, logits0, h0, params, (s.greedy, s.top_k, s.top_p < 1.0), n_steps,
-        return_hidden, on_token is not None)
+        graphdef, state, cache, logits0, h0, params, mode, n_steps, return_hidden,
+        on_token is not None)
     out_tok, out_logp, counts, finished = jax.device_get((out_tok, out_logp, counts, finished))
   t2 = time.perf_counter()
   out_h = None if out_h is None else np.asarray(out_h)
