@@ -173,3 +173,15 @@ def test_public_class_names_are_unique():
   clashes = {name: sites for name, sites in sorted(where.items()) if len(sites) > 1}
   assert not clashes, "public classes sharing a name:\n  " + "\n  ".join(
       f"{name}: {', '.join(sites)}" for name, sites in clashes.items())
+
+
+def test_every_checkpoint_goes_through_the_verified_checkpointer():
+  """Raw orbax checkpointers skip atomic finalisation and hash verification: only
+  ``jaxsys/core/checkpoint.py`` may construct one."""
+  import re
+  raw = re.compile(r"\b(StandardCheckpointer|PyTreeCheckpointer|CheckpointManager|ocp\.Checkpointer)\s*\(")
+  offenders = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "jaxsys").rglob("*.py"))
+               if p.name != "checkpoint.py" and raw.search(p.read_text())]
+  offenders += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "experiments").rglob("*.py"))
+                if raw.search(p.read_text())]
+  assert not offenders, offenders

@@ -60,16 +60,16 @@ def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, ba
 
 
 def cached_policy(path: str, *, steps: int = 300, config: DecoderConfig | None = None, seed: int = 0):
-  """Loads the orbax checkpoint at ``path`` or trains (``pretrain_policy``) and saves it there."""
-  import orbax.checkpoint as ocp
+  """Restores the verified checkpoint under ``path`` (``core.checkpoint.Checkpointer``: atomic,
+  hashed) or trains (``pretrain_policy``) and saves it there."""
+  from jaxsys.core.checkpoint import Checkpointer
   config = config or policy_config()
   path = os.path.abspath(os.path.join(path, f"{config.hidden_size}x{config.num_layers}_s{steps}_seed{seed}"))
   abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   gdef, abs_state = nnx.split(abstract)
-  if os.path.isdir(path):
-    with ocp.StandardCheckpointer() as ckpt:
-      return nnx.merge(gdef, ckpt.restore(path, abs_state))
-  model, _ = pretrain_policy(config, steps=steps, seed=seed)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(path, nnx.state(model))
+  with Checkpointer(path, max_to_keep=1) as ckpt:
+    if ckpt.latest_intact_step() is not None:
+      return nnx.merge(gdef, ckpt.restore(like=abs_state))
+    model, _ = pretrain_policy(config, steps=steps, seed=seed)
+    ckpt.save(0, nnx.state(model), overwrite=True)
   return model

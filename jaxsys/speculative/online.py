@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError
+from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
 from jaxsys.train import make_train_step
 
@@ -187,19 +187,24 @@ class SpotTrainer:
     return self.trainer.state
 
 
-def save_drafter(path, drafter: EagleDrafter):
-  """Orbax checkpoint of the drafter's state at ``path`` (a new directory)."""
-  import orbax.checkpoint as ocp
-  path = os.path.abspath(path)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(path, nnx.state(drafter))
+def save_drafter(path, drafter: EagleDrafter, step: int = 0):
+  """Saves the drafter's state as ``step`` of a verified checkpoint directory ``path``
+  (``core.checkpoint.Checkpointer``: atomic, hashed; non-finite weights are refused)."""
+  from jaxsys.core.checkpoint import Checkpointer
+  state = nnx.state(drafter)
+  if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state)
+             if jnp.issubdtype(x.dtype, jnp.floating)):
+    raise InputError(f"refusing to save a drafter with non-finite weights to {path}")
+  with Checkpointer(os.path.abspath(path), max_to_keep=None) as ckpt:
+    ckpt.save(step, state, overwrite=True)
 
 
-def load_drafter(path, config: DrafterConfig) -> EagleDrafter:
-  """Restores a drafter saved by ``save_drafter`` (shapes from ``config``)."""
-  import orbax.checkpoint as ocp
+def load_drafter(path, config: DrafterConfig, step: int | None = None) -> EagleDrafter:
+  """Restores a drafter saved by ``save_drafter`` (shapes from ``config``; ``step`` default: the
+  newest intact one)."""
+  from jaxsys.core.checkpoint import Checkpointer
   abstract = nnx.eval_shape(lambda: EagleDrafter(config, rngs=nnx.Rngs(0)))
   gdef, abs_state = nnx.split(abstract)
-  with ocp.StandardCheckpointer() as ckpt:
-    state = ckpt.restore(os.path.abspath(path), abs_state)
+  with Checkpointer(os.path.abspath(path), max_to_keep=None) as ckpt:
+    state = ckpt.restore(step, like=abs_state)
   return nnx.merge(gdef, state)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.models import DecoderConfig
 from jaxsys.models.decoder import random_model
 from jaxsys.models.drafter import (DrafterConfig, EagleDrafter, check_compatible, drafter_loss,
@@ -78,6 +78,24 @@ def test_checkpoint_roundtrip(models, tmp_path):
   online.save_drafter(tmp_path / "d", drafter)
   back = online.load_drafter(tmp_path / "d", drafter.config)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.state(drafter)), jax.device_get(nnx.state(back)))
+  # through the verified checkpointer: a hashed manifest, and a corrupted file is refused
+  from jaxsys.core.checkpoint import Checkpointer
+  assert Checkpointer(tmp_path / "d").verify(0) is None
+  data = max((f for f in (tmp_path / "d" / "0").rglob("*") if f.is_file() and f.name != "MANIFEST.json"),
+             key=lambda f: f.stat().st_size)
+  data.write_bytes(data.read_bytes()[:-8] + b"\0" * 8)
+  with pytest.raises(InputError, match="no intact checkpoint|not intact"):
+    online.load_drafter(tmp_path / "d", drafter.config)
+
+
+def test_non_finite_drafter_is_never_saved(models, tmp_path):
+  _, drafter = models
+  bad = nnx.clone(drafter)
+  leaf = jax.tree.leaves(nnx.state(bad, nnx.Param))[0]
+  nnx.update(bad, jax.tree.map(lambda x: x.at[...].set(jnp.nan) if x is leaf else x, nnx.state(bad, nnx.Param)))
+  with pytest.raises(InputError, match="non-finite"):
+    online.save_drafter(tmp_path / "nan", bad)
+  assert not (tmp_path / "nan" / "0").exists()
 
 
 def _abstract_drafter(**kw):
