@@ -2,7 +2,6 @@
 engine (per-row ``sample_rows``) and the reference ``target_probs`` agree for the same
 ``SamplingParams``, min-p included (``generate`` once dropped it)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
