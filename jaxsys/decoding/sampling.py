@@ -35,11 +35,15 @@ __all__ = [
 ]
 
 
+#: Largest seed: the key is ``jax.random.key(uint32 seed)`` on every path.
+MAX_SEED = 2**32 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """``temperature`` >= 0 (0: greedy), ``top_k`` >= 0 (0: off), ``top_p`` in (0, 1] (1: off);
   ``min_p`` in [0, 1] (0: off) drops tokens less likely than ``min_p`` times the most likely one;
-  ``seed`` (an int >= 0) makes a sampled run reproducible."""
+  ``seed`` (an int in [0, 2**32 - 1]) makes a sampled run reproducible."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -48,8 +52,8 @@ class SamplingParams:
 
   def __post_init__(self):
     t, k, p = self.temperature, self.top_k, self.top_p
-    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-      raise ConfigError(f"seed={self.seed!r} must be an int >= 0")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
+      raise ConfigError(f"seed={self.seed!r} must be an int in [0, {MAX_SEED}] (a uint32 PRNG seed)")
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
       raise ConfigError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:

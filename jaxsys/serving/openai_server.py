@@ -122,9 +122,17 @@ class EngineLoop:
     self._accepted.discard(rid)
 
   def _add(self, prompt, params, rid, auto_max_tokens) -> None:
+    """Queues one request. Whatever its own data raises fails that request alone: the engine
+    thread must never die on a client's input (a lone surrogate in a chat message made the
+    tokenizer raise ``TypeError`` here, and every later request hung)."""
     e = self.engine
     try:
-      ids = e.scheduler.encode(prompt)
+      try:
+        ids = e.scheduler.encode(prompt)
+      except (InputError, ConfigError):
+        raise
+      except Exception as err:  # noqa: BLE001 - the tokenizer's errors on this request's text
+        raise InputError(f"prompt could not be tokenized: {type(err).__name__}: {err}") from err
       if auto_max_tokens:  # OpenAI's default: as many as the context leaves (bounded)
         room = e.max_seq_len - len(ids)
         params = dataclasses.replace(params, max_tokens=max(1, min(self.default_max_tokens, room)))
@@ -132,6 +140,11 @@ class EngineLoop:
     except (InputError, ConfigError) as err:
       log.info("request %s: rejected: %s", rid, err)
       self._end(rid, _bad(err))
+      return
+    except Exception as err:  # noqa: BLE001 - fail this request, keep serving the others
+      log.exception("request %s: failed while queueing", rid)
+      e.abort(rid)
+      self._end(rid, APIError(500, f"request failed: {type(err).__name__}", None, type="server_error"))
       return
     self._accepted.add(rid)
     self._post(rid, _ACCEPTED)

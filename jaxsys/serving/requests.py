@@ -70,7 +70,7 @@ class RequestParams:
       raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
     if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
       raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} must hold token ids >= 0")
-    self.sampling(0)  # validates temperature / top_p / top_k / min_p / seed
+    self.sampling()  # validates temperature / top_p / top_k / min_p / seed (a uint32)
 
   def sampling(self, seed: int | None = None) -> SamplingParams:
     """The decoding core's :class:`SamplingParams` of this request (``seed`` overrides)."""

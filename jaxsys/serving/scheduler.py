@@ -323,7 +323,8 @@ class Scheduler:
     b, r = len(self.slots), len(rows)
     pad = lambda xs, dt, fill=0: np.asarray(list(xs) + [fill] * (b - r), dt)  # noqa: E731
     p = [s.params for s in rows]
-    ints = np.stack([pad(src, np.int32), pad(from_prefill, np.int32), pad([s.seed for s in rows], np.int32),
+    seeds = pad([s.seed for s in rows], np.uint32).view(np.int32)  # uint32 bits (cast back in the step)
+    ints = np.stack([pad(src, np.int32), pad(from_prefill, np.int32), seeds,
                      pad([s.index for s in rows], np.int32), pad([len(s.out) for s in rows], np.int32),
                      pad([q.top_k for q in p], np.int32), pad([q.logprobs for q in p], np.int32)])  # [7, slots]
     floats = np.stack([pad([q.temperature for q in p], np.float32),
@@ -394,7 +395,7 @@ def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats
   """Row ``j``'s logits are ``dec_logits[src[j]]`` (a decode slot) or, where ``from_prefill[j]``,
   the model's logits of ``hidden[src[j]]`` (a prompt's last hidden state); each row then draws
   its next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``.
-  ``ints int32[6, slots]`` = (src, from_prefill, seed, choice, index, top_k), ``floats
+  ``ints int32[7, slots]`` = (src, from_prefill, seed bits, choice, index, top_k, logprobs), ``floats
   float32[3, slots]`` = (temperature, top_p, min_p). Returns the tokens and the model's
   log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``), and with ``keep_logits`` the
   logits ``[slots, vocab]`` as well."""

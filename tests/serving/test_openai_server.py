@@ -159,3 +159,26 @@ def test_32_concurrent_streaming_clients(setup):
   assert [results[i][0] for i in greedy] == ref.text
   assert _idle(engine) and engine.cache.alloc.hits > hits0 and engine.cache.alloc.hit_rate > 0
   assert np.mean([len(t) > 0 for t, _ in results]) > 0.5
+
+
+def test_one_clients_bad_data_fails_that_request_alone(setup):
+  """A lone surrogate in a chat message (valid JSON; the tokenizer raises on it) gets a 400 and
+  the engine thread keeps serving; a seed beyond uint32 gets a 400 naming ``seed`` before it is
+  queued, instead of failing every in-flight request mid-step. Both failed on main before."""
+  _, _, engine, server, client = setup
+  body = '{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "a\\ud800b"}]}' % NAME
+  r = httpx.post(server.url + "/v1/chat/completions", content=body,
+                 headers={"content-type": "application/json"}, timeout=30)
+  assert r.status_code == 400 and "tokenized" in r.json()["error"]["message"], r.text
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:  # a bad seed among well-formed clients
+    good = [pool.submit(client.completions.create, model=NAME, prompt="The sea", max_tokens=12,
+                        temperature=0.7, seed=i) for i in range(3)]
+    with pytest.raises(openai.BadRequestError) as e:
+      client.completions.create(model=NAME, prompt="The sea", max_tokens=4, seed=2**40)
+    assert e.value.body["param"] == "seed"
+    assert all(len(f.result(timeout=60).choices[0].text) >= 0 for f in good)
+  # the largest uint32 seed is accepted and samples
+  out = client.completions.create(model=NAME, prompt="The sea", max_tokens=3, seed=2**32 - 1, temperature=1.0)
+  assert out.usage.completion_tokens == 3
+  assert client.completions.create(model=NAME, prompt="still serving", max_tokens=2).choices
+  assert _idle(engine)
