@@ -4,7 +4,8 @@ original files.
 The data is the Planetoid split of Yang, Cohen & Salakhutdinov, "Revisiting Semi-Supervised
 Learning with Graph Embeddings" (ICML 2016), MIT license (see ``jaxsys/assets/planetoid/``).
 The original release is eight files per dataset, ``ind.<name>.{x,y,tx,ty,allx,ally,graph,test.index}``
-(pickled scipy/numpy objects). The standard processing, as the reference GCN and PyG loaders do it:
+(pickled scipy/numpy objects, read with an unpickler that resolves only those types: a file that
+names any other global is an ``InputError`` and never runs). The standard processing, as the reference GCN and PyG loaders do it:
 
 * features / labels = ``allx`` / ``ally`` followed by the test rows ``tx`` / ``ty``, the test rows
   re-ordered so that node ``test.index[i]`` holds test row ``i``;
@@ -62,13 +63,39 @@ class RawPlanetoid:
   test_idx: np.ndarray
 
 
+#: The only globals a Planetoid pickle may name: numpy arrays and scalars, scipy's CSR matrix, the
+#: adjacency's ``defaultdict(list)`` and the pickle protocol's own object reconstruction.
+_ALLOWED = {
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("scipy.sparse.csr", "csr_matrix"), ("scipy.sparse._csr", "csr_matrix"), ("scipy.sparse", "csr_matrix"),
+    ("collections", "defaultdict"), ("builtins", "list"), ("builtins", "dict"), ("builtins", "object"),
+    ("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"),
+}
+
+
+class _PlanetoidUnpickler(pickle.Unpickler):
+  """Resolves only :data:`_ALLOWED` globals: a pickle can call any importable function while it
+  loads, so a file naming anything else (``os.system``, ``builtins.eval``...) is refused before
+  it is called."""
+
+  def find_class(self, module, name):
+    module = {"copy_reg": "copyreg", "__builtin__": "builtins"}.get(module, module)
+    if (module, name) not in _ALLOWED:
+      raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a Planetoid file")
+    return super().find_class(module, name)
+
+
 def _unpickle(path: Path):
+  """Reads one ``ind.<name>.*`` pickle with :class:`_PlanetoidUnpickler` (never the plain
+  ``pickle.load``): a crafted file is an ``InputError``, and its payload does not run."""
   import warnings
   try:
     with open(path, "rb") as fh, warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)  # old pickles name scipy.sparse.csr
-      return pickle.load(fh, encoding="latin1")
-  except (pickle.UnpicklingError, EOFError, ValueError, ModuleNotFoundError) as e:
+      return _PlanetoidUnpickler(fh, encoding="latin1").load()
+  except (pickle.UnpicklingError, EOFError, ValueError, ModuleNotFoundError, AttributeError) as e:
     raise InputError(f"cannot read Planetoid file {path}: {type(e).__name__}: {e}") from e
 
 

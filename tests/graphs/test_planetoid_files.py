@@ -105,3 +105,28 @@ def test_bad_files_get_clear_errors(tmp_path):
   (tmp_path / "ind.citeseer.tx").write_bytes(b"\x80\x04truncated")
   with pytest.raises(InputError, match="cannot read"):
     G.load_planetoid("citeseer", path=tmp_path)
+
+
+class _Payload:
+  """Unpickling this calls ``os.system`` (what a crafted ``ind.<name>.x`` can do to plain pickle)."""
+
+  def __init__(self, marker):
+    self.marker = marker
+
+  def __reduce__(self):
+    import os
+    return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path):
+  _citeseer_like(tmp_path)
+  marker = tmp_path / "ran"
+  with open(tmp_path / "ind.citeseer.x", "wb") as fh:
+    pickle.dump(_Payload(marker), fh)
+  with pytest.raises(InputError, match="posix.system is not allowed|os.system is not allowed"):
+    G.load_planetoid("citeseer", path=tmp_path)
+  assert not marker.exists()
+  # the plain unpickler would have run it: the test's payload is real
+  with open(tmp_path / "ind.citeseer.x", "rb") as fh:
+    pickle.load(fh)
+  assert marker.exists()
