@@ -189,7 +189,11 @@ def _content(messages) -> list[dict]:
       raise APIError(400, f"messages[{i}] must be an object with a 'role'", "messages")
     c = m.get("content") or ""
     if isinstance(c, list):
-      c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+      for j, part in enumerate(c):
+        if not isinstance(part, dict) or (part.get("type") == "text" and not isinstance(part.get("text"), str)):
+          raise APIError(400, f"messages[{i}].content[{j}] must be a text part "
+                         '{"type": "text", "text": <string>}', "messages")
+      c = "".join(part["text"] for part in c if part.get("type") == "text")
     if not isinstance(c, str):
       raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
     out.append({"role": str(m["role"]), "content": c})
@@ -207,6 +211,11 @@ def _params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
   stop = body.get("stop") or ()
   if isinstance(stop, str):
     stop = (stop,)
+  if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+    raise APIError(400, f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
+  if not isinstance(body.get("stream_options") or {}, dict):
+    raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                   "stream_options")
   if chat:
     logprobs, top = bool(body.get("logprobs") or False), body.get("top_logprobs") or 0
     if top and not logprobs:
@@ -282,16 +291,20 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     rid = f"{kind}-{uuid.uuid4().hex[:24]}"
     t0 = time.perf_counter()
     q = loop.submit(prompt, params, rid, auto)
-    first = await q.get()
-    if isinstance(first, Exception):
-      raise first
-    obj = "chat.completion" if chat else "text_completion"
-    base = {"id": rid, "created": int(time.time()), "model": model_name}
-    log.info("request %s: accepted (%s, n=%d, stream=%s)", rid, obj, params.n, bool(body.get("stream")))
-    if body.get("stream"):
-      usage = bool((body.get("stream_options") or {}).get("include_usage"))
-      return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
-                               media_type="text/event-stream")
+    try:  # from here on, any exit but a finished reply aborts the queued work and frees its pages
+      first = await q.get()
+      if isinstance(first, Exception):
+        raise first
+      obj = "chat.completion" if chat else "text_completion"
+      base = {"id": rid, "created": int(time.time()), "model": model_name}
+      log.info("request %s: accepted (%s, n=%d, stream=%s)", rid, obj, params.n, bool(body.get("stream")))
+      if body.get("stream"):
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
+                                 media_type="text/event-stream")
+    except BaseException:
+      loop.abort(rid)
+      raise
     texts = [[] for _ in range(params.n)]
     lps = [[] for _ in range(params.n)]
     reasons = [None] * params.n

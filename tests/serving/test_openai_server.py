@@ -182,3 +182,21 @@ def test_one_clients_bad_data_fails_that_request_alone(setup):
   assert out.usage.completion_tokens == 3
   assert client.completions.create(model=NAME, prompt="still serving", max_tokens=2).choices
   assert _idle(engine)
+
+
+def test_malformed_fields_are_400s_that_leave_nothing_queued(setup):
+  """``stop=5``, ``stream_options`` as a string and a content part with a non-string text each
+  get a 400 naming the field (they were a Python message, and bare 500s whose request kept
+  running and filled the queue); afterwards nothing is pending and every page is free."""
+  _, _, engine, server, _ = setup
+  url = server.url + "/v1/chat/completions"
+  msgs = _chat("hi")
+  cases = [({"stop": 5}, "stop"), ({"stream": True, "stream_options": "yes"}, "stream_options"),
+           ({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}, "messages")]
+  for extra, param in cases:
+    body = {"model": NAME, "messages": msgs, "max_tokens": 40, "ignore_eos": True, **extra}
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 400, (extra, r.status_code, r.text)
+    assert r.json()["error"]["param"] == param, r.text
+  assert server.loop.num_pending == 0
+  assert _idle(engine)
