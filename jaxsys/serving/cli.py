@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--max-pending", type=int, default=256,
-                 help="requests queued or running before new ones get 503")
+                 help="sequences (a request counts its n) queued or running before new ones get 503")
+  p.add_argument("--max-n", type=int, default=16,
+                 help="largest n (choices per request) a client may ask for; more is a 400")
   p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                  help="token budget of one engine step (decode tokens + prefill chunks)")
   p.add_argument("--default-max-tokens", type=int, default=256,
@@ -195,7 +197,7 @@ def _serve_http(engine, args) -> int:
   logging.getLogger("jaxsys.serving.server").info(
       "serving %s (%s) on http://%s:%d/v1", args.model, mode, args.host, args.port)
   serve(engine, args.model, host=args.host, port=args.port, max_pending=args.max_pending,
-        default_max_tokens=args.default_max_tokens)
+        default_max_tokens=args.default_max_tokens, max_n=args.max_n)
   return 0
 
 

@@ -69,10 +69,14 @@ def _bad(e: Exception) -> APIError:
 class EngineLoop:
   """Runs ``engine.step()`` in a daemon thread while requests are live; see the module docstring."""
 
-  def __init__(self, engine, max_pending: int = 256, default_max_tokens: int = 256):
+  def __init__(self, engine, max_pending: int = 256, default_max_tokens: int = 256, max_n: int = 16):
     if max_pending < 1:
       raise ConfigError(f"max_pending={max_pending} must be >= 1")
+    if max_n < 1:
+      raise ConfigError(f"max_n={max_n} must be >= 1")
     self.engine, self.max_pending, self.default_max_tokens = engine, max_pending, default_max_tokens
+    self.max_n = max_n                      # largest ``n`` one request may ask for
+    self._seqs: dict[str, int] = {}         # request id -> sequences (n) it holds
     self._cv = threading.Condition()
     self._cmds: collections.deque = collections.deque()
     self._subs: dict[str, tuple] = {}       # request id -> (event loop, asyncio.Queue)
@@ -89,12 +93,16 @@ class EngineLoop:
   def submit(self, prompt, params: RequestParams, request_id: str, auto_max_tokens: bool) -> asyncio.Queue:
     """Queues a request (call from the event loop); its outputs arrive on the returned queue:
     first ``"accepted"`` or an exception, then ``StepOutput``s, then ``"done"``."""
+    if params.n > self.max_n:
+      raise APIError(400, f"n={params.n} must be <= {self.max_n} (the server's --max-n)", "n")
     q: asyncio.Queue = asyncio.Queue()
     with self._cv:
-      if len(self._subs) >= self.max_pending:
-        raise APIError(503, f"the server is at capacity ({self.max_pending} requests queued or "
+      # admission counts sequences: a request with n=8 takes 8 of max_pending
+      if sum(self._seqs.get(r, 1) for r in self._subs) + params.n > self.max_pending:
+        raise APIError(503, f"the server is at capacity ({self.max_pending} sequences queued or "
                        "running); retry later", type="server_error", code="overloaded")
       self._subs[request_id] = (asyncio.get_running_loop(), q)
+      self._seqs[request_id] = params.n
       self._cmds.append(("add", prompt, params, request_id, auto_max_tokens))
       self._cv.notify()
     return q
@@ -119,6 +127,7 @@ class EngineLoop:
     self._post(rid, item)
     with self._cv:
       self._subs.pop(rid, None)
+      self._seqs.pop(rid, None)
     self._accepted.discard(rid)
 
   def _add(self, prompt, params, rid, auto_max_tokens) -> None:
@@ -235,6 +244,22 @@ def _params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
     raise _bad(e) from e
 
 
+class ClientGone(Exception):
+  """The client of a request closed its connection (its work is aborted)."""
+
+
+async def _next(q: asyncio.Queue, request, poll: float = 0.25):
+  """The next item of a request's queue, checking every ``poll`` seconds that its client is still
+  connected (``ClientGone`` otherwise), so a non-streaming client that gives up frees its pages
+  and its ``max_pending`` slot within a poll, not when its ``max_tokens`` are done."""
+  while True:
+    try:
+      return await asyncio.wait_for(q.get(), timeout=poll)
+    except asyncio.TimeoutError:
+      if await request.is_disconnected():
+        raise ClientGone() from None
+
+
 def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
   """The FastAPI application serving ``loop.engine`` as ``model_name``."""
   from fastapi import FastAPI, Request  # noqa: PLC0415  (server extra)
@@ -292,7 +317,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     t0 = time.perf_counter()
     q = loop.submit(prompt, params, rid, auto)
     try:  # from here on, any exit but a finished reply aborts the queued work and frees its pages
-      first = await q.get()
+      first = await _next(q, request)
       if isinstance(first, Exception):
         raise first
       obj = "chat.completion" if chat else "text_completion"
@@ -310,7 +335,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     reasons = [None] * params.n
     prompt_tokens, completion = 0, [0] * params.n
     try:
-      while (item := await q.get()) != _DONE:
+      while (item := await _next(q, request)) != _DONE:
         if isinstance(item, Exception):
           raise item
         texts[item.index].append(item.new_text or "")
@@ -411,14 +436,15 @@ class ServerHandle:
 
 
 def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 0,
-                 max_pending: int = 256, default_max_tokens: int = 256, log_level: str = "warning"):
+                 max_pending: int = 256, default_max_tokens: int = 256, log_level: str = "warning",
+                 max_n: int = 16):
   """Starts uvicorn in a thread (``port=0``: a free port) and returns a :class:`ServerHandle`."""
   import socket  # noqa: PLC0415
   import uvicorn  # noqa: PLC0415
   sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
-  loop = EngineLoop(engine, max_pending, default_max_tokens)
+  loop = EngineLoop(engine, max_pending, default_max_tokens, max_n)
   app = build_app(loop, model_name, engine.tokenizer)
   server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxsys-http",
@@ -434,10 +460,10 @@ def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int 
 
 
 def serve(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          max_pending: int = 256, default_max_tokens: int = 256) -> None:
+          max_pending: int = 256, default_max_tokens: int = 256, max_n: int = 16) -> None:
   """Serves until interrupted (``jaxsys serve``)."""
   import uvicorn  # noqa: PLC0415
-  loop = EngineLoop(engine, max_pending, default_max_tokens)
+  loop = EngineLoop(engine, max_pending, default_max_tokens, max_n)
   try:
     uvicorn.run(build_app(loop, model_name, engine.tokenizer), host=host, port=port, log_level="info")
   finally:

@@ -200,3 +200,28 @@ def test_malformed_fields_are_400s_that_leave_nothing_queued(setup):
     assert r.json()["error"]["param"] == param, r.text
   assert server.loop.num_pending == 0
   assert _idle(engine)
+
+
+def test_a_non_streaming_client_that_gives_up_frees_its_work(setup):
+  """Four non-streaming clients time out after 0.5 s: their requests are aborted within a poll
+  (they used to run to max_tokens holding their pages and max_pending slots); ``n`` above
+  ``--max-n`` is a 400, and admission counts sequences."""
+  _, _, engine, server, client = setup
+  body = {"model": NAME, "prompt": "The harbour", "max_tokens": 200, "ignore_eos": True}
+  for _ in range(4):
+    with pytest.raises(httpx.TimeoutException):
+      httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+  end = time.time() + 30  # within a poll (0.25 s) once the engine thread takes the abort
+  while server.loop.num_pending and time.time() < end:
+    time.sleep(0.05)
+  assert server.loop.num_pending == 0, (server.loop.num_pending, engine.has_unfinished())
+  assert _idle(engine)
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model=NAME, prompt="x", max_tokens=2, n=server.loop.max_n + 1)
+  assert e.value.body["param"] == "n"
+  server.loop.max_pending = 3
+  try:
+    r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2, "n": 4}, timeout=30)
+    assert r.status_code == 503  # 4 sequences > 3, though it is one request
+  finally:
+    server.loop.max_pending = 256
