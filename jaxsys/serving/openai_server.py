@@ -82,6 +82,7 @@ class EngineLoop:
     self._subs: dict[str, tuple] = {}       # request id -> (event loop, asyncio.Queue)
     self._accepted: set[str] = set()
     self._stop = False
+    self.failure: str | None = None         # why the engine thread stopped, if it did
     self.thread = threading.Thread(target=self._run, name="jaxsys-engine", daemon=True)
     self.thread.start()
 
@@ -93,6 +94,8 @@ class EngineLoop:
   def submit(self, prompt, params: RequestParams, request_id: str, auto_max_tokens: bool) -> asyncio.Queue:
     """Queues a request (call from the event loop); its outputs arrive on the returned queue:
     first ``"accepted"`` or an exception, then ``StepOutput``s, then ``"done"``."""
+    if not self.alive:
+      raise APIError(503, f"the engine stopped: {self.failure}", type="server_error", code="engine_stopped")
     if params.n > self.max_n:
       raise APIError(400, f"n={params.n} must be <= {self.max_n} (the server's --max-n)", "n")
     q: asyncio.Queue = asyncio.Queue()
@@ -158,7 +161,24 @@ class EngineLoop:
     self._accepted.add(rid)
     self._post(rid, _ACCEPTED)
 
+  @property
+  def alive(self) -> bool:
+    """False once the engine thread has stopped (``/health`` then answers 503)."""
+    return self.thread.is_alive() and self.failure is None
+
   def _run(self) -> None:
+    """The engine thread. Request faults never reach here (``_add``); if anything else escapes,
+    the thread records it, fails every live request and stops, and ``/health`` says so, so a
+    supervisor can restart the server instead of it hanging with a healthy status."""
+    try:
+      self._serve_forever()
+    except BaseException as err:  # noqa: BLE001 - recorded and reported, never silent
+      self.failure = f"{type(err).__name__}: {err}"
+      log.exception("the engine thread stopped")
+      for rid in list(self._subs):
+        self._end(rid, APIError(503, f"the engine stopped: {self.failure}", type="server_error"))
+
+  def _serve_forever(self) -> None:
     e = self.engine
     while True:
       with self._cv:
@@ -274,6 +294,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
 
   @app.get("/health")
   async def health():
+    if not loop.alive:
+      return JSONResponse({"status": "engine stopped", "error": loop.failure}, status_code=503)
     return {"status": "ok", "pending": loop.num_pending}
 
   @app.get("/v1/models")

@@ -225,3 +225,26 @@ def test_a_non_streaming_client_that_gives_up_frees_its_work(setup):
     assert r.status_code == 503  # 4 sequences > 3, though it is one request
   finally:
     server.loop.max_pending = 256
+
+
+def test_a_stopped_engine_thread_is_reported_not_hidden():
+  """If the engine thread ever stops, /health answers 503 with the reason and new requests get a
+  503, instead of a healthy status over a server where every request hangs."""
+  from fastapi.testclient import TestClient
+
+  from jaxsys.serving.openai_server import EngineLoop, build_app
+
+  class Broken:
+    tokenizer = None
+
+    def has_unfinished(self):
+      raise RuntimeError("device lost")
+
+  loop = EngineLoop(Broken())
+  loop.thread.join(timeout=10)
+  assert not loop.alive and "device lost" in loop.failure
+  with TestClient(build_app(loop, "m")) as http:
+    r = http.get("/health")
+    assert r.status_code == 503 and "device lost" in r.json()["error"]
+    r = http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
