@@ -206,12 +206,18 @@ class _LazyTensor:
   """A GGUF tensor as ``load_state_dict`` takes it: HF shape known up front, data on ``load()``."""
   is_float = True
 
-  def __init__(self, tensor, shape: tuple[int, ...], interleaved_heads: int | None):
+  def __init__(self, tensor, shape: tuple[int, ...], interleaved_heads: int | None,
+               allow_nonfinite: bool = False):
     self._t, self.shape, self._heads = tensor, shape, interleaved_heads
+    self._allow_nonfinite = allow_nonfinite
 
   def load(self) -> np.ndarray:
     w = np.asarray(gg.quants.dequantize(self._t.data, self._t.tensor_type), np.float32)
     w = w.reshape(self.shape)
+    if not self._allow_nonfinite and not np.isfinite(w).all():
+      bad = int(w.size - np.isfinite(w).sum())
+      raise InputError(f"tensor {self._t.name!r} has {bad} non-finite values (NaN or inf); a model "
+                       "that loads them answers garbage (from_gguf(..., allow_nonfinite=True) loads it anyway)")
     return w if self._heads is None else _deinterleave_rows(w, self._heads)
 
 
@@ -297,6 +303,11 @@ def _config(reader, path: Path) -> DecoderConfig:
     if len(set(kv)) != 1:
       raise ConfigError(f"{path.name}: per-layer {p}attention.head_count_kv={kv} is not supported")
     kv = kv[0]
+  for key, value in (("embedding_length", hidden), ("attention.head_count", heads),
+                     ("feed_forward_length", ffn), ("block_count", layers),
+                     ("attention.head_count_kv", kv)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+      raise InputError(f"{path.name}: metadata {p}{key}={value!r} must be a positive integer")
   head_dim = meta.get(p + "attention.key_length") or hidden // heads
   for key in ("attention.value_length", "rope.dimension_count"):
     if meta.get(p + key, head_dim) != head_dim:
@@ -328,11 +339,13 @@ def config_from_gguf(path: str | os.PathLike) -> DecoderConfig:
 
 
 def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Callable | None = None,
-              **config_changes) -> Decoder:
+              allow_nonfinite: bool = False, **config_changes) -> Decoder:
   """Loads a llama / qwen2 GGUF file into a :class:`Decoder`, dequantizing every tensor.
 
   ``dtype`` sets parameters and activations (float32, bfloat16, float16); ``config_changes``
-  override DecoderConfig fields that do not change shapes (e.g. ``rope=``).
+  override DecoderConfig fields that do not change shapes (e.g. ``rope=``). The metadata's sizes
+  must be positive integers and every weight finite (``InputError`` naming the key or tensor;
+  ``allow_nonfinite=True`` loads NaN/inf weights anyway).
   """
   path = Path(path)
   reader = _open(path)
@@ -348,7 +361,7 @@ def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Calla
                        f"cannot dequantize; supported: {_supported_types()}")
     name = _hf_name(t.name)
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml is fastest-dimension first
-    tensors[name] = _LazyTensor(t, shape, _permuted_heads(config.arch, name, config))
+    tensors[name] = _LazyTensor(t, shape, _permuted_heads(config.arch, name, config), allow_nonfinite)
   expected = set(_weight_map(config))
   missing = sorted(_gguf_name(n) for n in expected - set(tensors))
   extra = sorted(t.name for t in reader.tensors if t.name != _ROPE_FREQS and _hf_name(t.name) not in expected)

@@ -268,3 +268,25 @@ def test_unwritable_configs(tmp_path):
   with pytest.raises(ConfigError, match="llama3 rope needs"):
     M.save_gguf(_tiny(head_dim=16, rope=odd_llama3), tmp_path / "m.gguf")
   assert not list(tmp_path.iterdir())
+
+
+def test_bad_head_count_and_non_finite_weights(tmp_path):
+  """``head_count=0`` was a ZeroDivisionError (also through ``jaxsys serve --model``); NaN
+  weights loaded silently. Both are ``InputError`` naming the key or tensor now."""
+  w = gguf.GGUFWriter(tmp_path / "zero.gguf", "llama")
+  for add, v in ((w.add_block_count, 1), (w.add_embedding_length, 32), (w.add_feed_forward_length, 64),
+                 (w.add_head_count, 0), (w.add_head_count_kv, 0), (w.add_layer_norm_rms_eps, 1e-5),
+                 (w.add_context_length, 64), (w.add_vocab_size, 16)):
+    add(v)
+  _finish(w)
+  with pytest.raises(InputError, match="head_count=0 must be a positive integer"):
+    M.from_gguf(tmp_path / "zero.gguf")
+  path = M.save_gguf(_tiny(), tmp_path / "m.gguf")
+  t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_up.weight")
+  raw = bytearray(path.read_bytes())
+  raw[t.data_offset:t.data_offset + 4] = np.float32(np.nan).tobytes()
+  path.write_bytes(bytes(raw))
+  with pytest.raises(InputError, match="blk.1.ffn_up.weight.*1 non-finite"):
+    M.from_gguf(path)
+  loaded = _params(M.from_gguf(path, allow_nonfinite=True))  # the documented escape hatch
+  assert sum(int((~np.isfinite(v)).sum()) for v in loaded.values()) == 1
