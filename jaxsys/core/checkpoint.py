@@ -23,10 +23,11 @@ and a run resumes from the newest complete one):
   ``InputError`` naming both steps, unless ``overwrite=True``, which first deletes the intact
   steps at or above it. Non-intact folders at or above the step (leftovers of an interrupted
   save, a corrupted newer step) are deleted with a warning, since nothing can restore them.
-* **Rotation keeps good checkpoints.** With ``max_to_keep=k`` the newest ``k`` steps that have a
-  manifest are kept (the step just written, whose files were hashed as it was written, is always
-  one of them) and older step folders are deleted. Corruption that happens *after* a step was
-  written is caught at restore, which then falls back to the older kept steps.
+* **Rotation keeps good checkpoints.** With ``max_to_keep=k`` the newest ``k`` steps that *verify*
+  are kept (the step just written, whose files were hashed as it was written, is always one of
+  them) and older step folders are deleted; a step corrupted after it was written does not count,
+  so ``k`` intact steps survive (rotation re-hashes up to ``k`` steps). Corruption caught at
+  restore falls back to the older kept steps.
 
 ``all_steps()`` / ``latest_step()`` list every step folder, intact or not; ``intact_steps()`` /
 ``latest_intact_step()`` only the verified ones.
@@ -282,12 +283,16 @@ class Checkpointer:
     if self.max_to_keep is None:
       return
     steps = self.all_steps()
-    manifested = [s for s in steps if (self.directory / str(s) / MANIFEST).exists()]
-    if len(manifested) <= self.max_to_keep:
+    kept = []  # the newest max_to_keep steps that verify (the one just written always does)
+    for s in reversed(steps):
+      if len(kept) == self.max_to_keep:
+        break
+      if self.verify(s) is None:
+        kept.append(s)
+    if len(kept) < self.max_to_keep:
       return
-    cutoff = manifested[-self.max_to_keep]
     for s in steps:
-      if s < cutoff:
+      if s < kept[-1]:
         self._delete(s)
 
   def _delete(self, step: int) -> None:

@@ -86,3 +86,19 @@ def test_no_silent_rewind_rotation_and_structure(tmp_path):
   with pytest.raises(InputError, match="another structure"):
     ck.restore(like={"w": tree(0)["w"]})
   ck.close()
+
+
+def test_rotation_keeps_max_to_keep_intact_steps(tmp_path):
+  """A step corrupted after it was written does not count as kept: with ``max_to_keep=2`` and
+  step 20 corrupted, saving 30 keeps 10 (the older intact one) rather than leaving one intact."""
+  ck = Checkpointer(tmp_path, max_to_keep=2)
+  for s in (10, 20):
+    ck.save(s, tree(s))
+  data = max((f for f in (tmp_path / "20").rglob("*") if f.is_file() and f.name != MANIFEST),
+             key=lambda f: f.stat().st_size)
+  data.write_bytes(b"\0" * data.stat().st_size)  # same size, other bytes: only the hash tells
+  ck.save(30, tree(30))
+  assert [s for s in ck.all_steps() if ck.verify(s) is None] == [10, 30]
+  ck.save(40, tree(40))
+  assert ck.all_steps() == [30, 40]
+  ck.close()
