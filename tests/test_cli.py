@@ -278,3 +278,18 @@ def test_experiments_readme_table_is_one_reproduce_run_of_every_experiment():
   assert set(runner.REGISTRY) <= footer, sorted(set(runner.REGISTRY) - footer)
   assert re.search(rf"`jaxsys reproduce --quick`: {len(runner.REGISTRY)} experiments in [\d.]+ min", section)
   assert "FAILED" not in section
+
+
+def test_serve_reports_a_bad_gates_file_and_port_in_one_line(tmp_path):
+  """A gates file that is not JSON was a raw JSONDecodeError traceback, and ``--port -1`` uvicorn's
+  ``[Errno -8]``: each is one ``error:`` line naming the file or the flag, exit 2."""
+  bad = tmp_path / "gates.json"
+  bad.write_text("{not json")
+  f = tmp_path / "p.jsonl"
+  f.write_text("[5, 6, 7]\n")
+  out = _run("serve", "--prompts", str(f), "--model", "tiny", "--lserve", "--gates", str(bad),
+             "--page-size", "16", "--logical-page", "4", "--budget", "64", "--num-pages", "16")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+  assert "error:" in out.stderr and "gates.json" in out.stderr
+  out = _run("serve", "--model", "tiny", "--port", "-1")
+  assert out.returncode == 2 and "Traceback" not in out.stderr and "--port -1" in out.stderr, out.stderr

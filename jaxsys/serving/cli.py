@@ -156,6 +156,8 @@ def main(argv=None) -> int:
                        max_seq_len=args.num_pages * args.page_size if args.max_seq_len is None
                        else args.max_seq_len, max_num_batched_tokens=args.max_num_batched_tokens,
                        prefix_caching=not args.no_prefix_caching)
+    if prompts is None and not 0 <= args.port <= 65535:
+      raise ConfigError(f"--port {args.port} must be in [0, 65535]")
     streaming = None
     if args.gates and not dense:
       gates = StreamingGates.load(args.gates)

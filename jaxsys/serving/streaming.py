@@ -81,17 +81,24 @@ class StreamingGates:
     per layer of tab-separated per-kv-head gate values. For a TSV the ``sparsity`` lowest gates
     become streaming heads (DuoAttention's ``sparsify_attention_heads``); ``sink`` / ``window``
     default to ``sink_size`` / ``recent_size`` of the ``config.json`` beside it, else 64 / 256."""
+    from jaxsys.core.errors import InputError
     path = Path(path)
-    if path.suffix == ".tsv":
-      alpha = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
-      meta = path.with_name("config.json")
-      cfg = json.loads(meta.read_text()) if meta.exists() else {}
-      return cls.from_alpha(alpha, sink=cfg.get("sink_size", 64) if sink is None else sink,
-                            window=cfg.get("recent_size", 256) if window is None else window,
-                            sparsity=sparsity)
-    d = json.loads(path.read_text())
-    return cls(tuple(map(tuple, d["alpha"])), tuple(map(tuple, d["streaming"])), d["sink"],
-               d["window"], d["sparsity"], tuple(d.get("history", ())))
+    if not path.is_file():
+      raise InputError(f"gates file {path} does not exist")
+    try:
+      if path.suffix == ".tsv":
+        alpha = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
+        meta = path.with_name("config.json")
+        cfg = json.loads(meta.read_text()) if meta.exists() else {}
+        return cls.from_alpha(alpha, sink=cfg.get("sink_size", 64) if sink is None else sink,
+                              window=cfg.get("recent_size", 256) if window is None else window,
+                              sparsity=sparsity)
+      d = json.loads(path.read_text())
+      return cls(tuple(map(tuple, d["alpha"])), tuple(map(tuple, d["streaming"])), d["sink"],
+                 d["window"], d["sparsity"], tuple(d.get("history", ())))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+      raise InputError(f"gates file {path} is not a gates JSON or DuoAttention TSV "
+                       f"({type(e).__name__}: {e})") from e
 
   def save_tsv(self, path) -> None:
     """Writes the gates in DuoAttention's ``full_attention_heads.tsv`` format."""
