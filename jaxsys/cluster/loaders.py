@@ -55,18 +55,21 @@ def _check_on_error(on_error: str):
 
 def _collect(path: Path, rows, parse: Callable[[RowReader], Job | None], on_error: str) -> Trace:
   _check_on_error(on_error)
-  jobs, skipped = [], collections.Counter()
+  jobs, skipped, first_row = [], collections.Counter(), {}
   for i, row in rows:
     reader = RowReader(path.name, i, row)
     try:
       reader.check_decoded()
       job = parse(reader)
+      if job is not None and job.id in first_row:  # one record per job: the simulator keys on it
+        raise TraceError(f"{path.name}: row {i}: job id {job.id!r} duplicates row {first_row[job.id]}")
     except TraceError as e:
       if on_error == "raise":
         raise
       skipped[_reason(str(e))] += 1
       continue
     if job is not None:
+      first_row[job.id] = i
       jobs.append(job)
   return _rebase(jobs, str(path), dict(skipped))
 

@@ -165,3 +165,14 @@ def test_philly_fields_of_the_wrong_type_name_the_row(tmp_path):
     loaders.load_philly(p)
   assert loaders.load_philly(p, on_error="skip").skipped == {"must be a JSON object, got str": 1,
                                                              "must be a JSON object, got NoneType": 1}
+
+
+def test_duplicate_job_ids_raise_or_skip_with_count(tmp_path):
+  """A second record with a job's id was accepted silently; it is a TraceError naming both rows,
+  or (on_error="skip") skipped and counted."""
+  p = _write(tmp_path, "pods.csv", ALI_HEADER + "p0,1000,10,1,1000,,LS,Running,0,100,5\n"
+             "p1,1000,10,1,1000,,LS,Running,0,100,5\n" "p0,1000,10,2,1000,,LS,Running,3,90,8\n")
+  with pytest.raises(TraceError, match=r"row 4: job id 'p0' duplicates row 2"):
+    loaders.load_alibaba(p)
+  trace = loaders.load_alibaba(p, on_error="skip")
+  assert sorted(j.id for j in trace) == ["p0", "p1"] and sum(trace.skipped.values()) == 1
