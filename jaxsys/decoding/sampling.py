@@ -37,6 +37,9 @@ __all__ = [
 
 #: Largest seed: the key is ``jax.random.key(uint32 seed)`` on every path.
 MAX_SEED = 2**32 - 1
+#: Largest temperature: the samplers divide float32 logits by it (beyond ~1e4 every row is uniform
+#: anyway, and past float32's range it would silently become inf).
+MAX_TEMPERATURE = 1e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,8 @@ class SamplingParams:
     t, k, p = self.temperature, self.top_k, self.top_p
     if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
       raise ConfigError(f"seed={self.seed!r} must be an int in [0, {MAX_SEED}] (a uint32 PRNG seed)")
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-      raise ConfigError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or not 0 <= t <= MAX_TEMPERATURE:
+      raise ConfigError(f"temperature={t!r} must be a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
       raise ConfigError(f"top_k={k!r} must be an int >= 0 (0 disables top-k)")
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):

@@ -53,6 +53,9 @@ class APIError(Exception):
 
   def __init__(self, status: int, message: str, param: str | None = None,
                type: str = "invalid_request_error", code: str | None = None):
+    # a client's text echoed back (a model name, a field) may hold lone surrogates, which JSON
+    # responses cannot encode: escape them rather than fail the reply
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     super().__init__(message)
     self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
@@ -242,6 +245,10 @@ def _params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
     stop = (stop,)
   if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
     raise APIError(400, f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
+  ids = body.get("stop_token_ids") or ()
+  if not isinstance(ids, (list, tuple)):
+    raise APIError(400, f"stop_token_ids must be a list of token ids, got {type(ids).__name__}",
+                   "stop_token_ids")
   if not isinstance(body.get("stream_options") or {}, dict):
     raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
                    "stream_options")
@@ -349,6 +356,11 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
                                  media_type="text/event-stream")
+    except ClientGone:
+      loop.abort(rid)
+      log.info("request %s: client disconnected; aborted", rid)
+      from fastapi.responses import Response  # noqa: PLC0415
+      return Response(status_code=499)
     except BaseException:
       loop.abort(rid)
       raise
@@ -364,6 +376,11 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
         lps[item.index] += item.logprobs or []
         reasons[item.index] = item.finish_reason or reasons[item.index]
         prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
+    except ClientGone:  # nobody to answer: free the work, say so once, no traceback
+      loop.abort(rid)
+      log.info("request %s: client disconnected; aborted", rid)
+      from fastapi.responses import Response  # noqa: PLC0415
+      return Response(status_code=499)
     except BaseException:
       loop.abort(rid)
       raise

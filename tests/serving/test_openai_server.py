@@ -4,6 +4,7 @@ A small random-weight model with SmolLM2's tokenizer (its chat template and 4915
 keeps the tests fast; the tokenizer comes from the SmolLM2 GGUF (skipped with the fetch command
 when it is not installed)."""
 
+import collections
 import concurrent.futures
 import time
 
@@ -248,3 +249,65 @@ def test_a_stopped_engine_thread_is_reported_not_hidden():
     assert r.status_code == 503 and "device lost" in r.json()["error"]
     r = http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def _fuzz_bodies():
+  """Request bodies a careless or hostile client sends: wrong types, huge and negative numbers,
+  NaN, lone surrogates, nested garbage, unknown fields; about half are well-formed enough to run."""
+  from hypothesis import strategies as st
+  junk = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+                      | st.text(max_size=8), lambda c: st.lists(c, max_size=3)
+                      | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+  text = st.text(st.characters(codec=None, categories=("L", "N", "P", "Zs", "Cs", "Co", "So")), max_size=24)
+  number = st.one_of(st.integers(-3, 6), st.integers(-2**64, 2**64), st.floats(), text, junk)
+  part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]), "text": text | junk})
+  content = text | st.lists(part, max_size=3) | junk
+  message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", 3]),
+                                   "content": content}) | junk
+  fields = {"max_tokens": st.integers(-2, 4) | number, "temperature": st.floats(0, 2) | number,
+            "top_p": st.floats(0, 1) | number, "n": st.integers(-1, 20) | number,
+            "seed": st.integers(-5, 2**40) | number, "stop": text | st.lists(text, max_size=3) | junk,
+            "stream": st.booleans() | junk, "stream_options": junk, "logprobs": st.booleans() | number,
+            "top_logprobs": number, "top_k": number, "min_p": number, "ignore_eos": st.booleans() | junk,
+            "stop_token_ids": junk, "echo": junk, "user": junk, "unknown_field": junk}
+  chat = st.fixed_dictionaries({"model": st.just(NAME) | text, "messages": st.lists(message, max_size=3) | junk},
+                               optional=fields)
+  completion = st.fixed_dictionaries({"model": st.just(NAME) | text,
+                                      "prompt": text | st.lists(st.integers(-5, 70000), max_size=6) | junk},
+                                     optional=fields)
+  return st.tuples(st.just("chat/completions"), chat) | st.tuples(st.just("completions"), completion)
+
+
+FUZZ_EXAMPLES = 2000
+
+
+def test_fuzzed_bodies_never_hurt_the_server(setup):
+  """``FUZZ_EXAMPLES`` generated bodies (fixed seed): every reply is a 2xx or a 4xx (no 5xx from a body), the
+  engine thread stays up, and after them a normal request answers and every page is free."""
+  import json
+
+  from hypothesis import HealthCheck, given, settings
+  _, _, engine, server, client = setup
+  http = httpx.Client(base_url=server.url + "/v1", timeout=60)
+  statuses = collections.Counter()
+
+  @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck))
+  @given(_fuzz_bodies())
+  def case(req):
+    path, body = req
+    # bound the work of the well-formed ones: an omitted max_tokens means up to 256 per choice
+    if "max_tokens" not in body or (isinstance(body["max_tokens"], int) and 4 < body["max_tokens"] < 2**31):
+      body["max_tokens"] = 4
+    r = http.post(path, content=json.dumps(body, allow_nan=True),
+                  headers={"content-type": "application/json"})
+    statuses[r.status_code // 100] += 1
+    assert r.status_code < 500, (r.status_code, r.text[:300], body)
+
+  try:
+    case()
+  finally:
+    http.close()
+  assert server.loop.alive and sum(statuses.values()) >= FUZZ_EXAMPLES and statuses[2] > 20, statuses
+  assert client.completions.create(model=NAME, prompt="The sea", max_tokens=3).choices[0].text is not None
+  assert _idle(engine)
