@@ -290,7 +290,7 @@ async def _next(q: asyncio.Queue, request, poll: float = 0.25):
 def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
   """The FastAPI application serving ``loop.engine`` as ``model_name``."""
   from fastapi import FastAPI, Request  # noqa: PLC0415  (server extra)
-  from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
+  from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
 
   app = FastAPI(title="jaxsys", version="1")
   created = int(time.time())
@@ -339,6 +339,11 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     return {"tokens": [_token(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{_token(a): v for a, v in x.top} for x in lps]}
 
+  def _gone(rid):
+    loop.abort(rid)
+    log.info("request %s: client disconnected; aborted", rid)
+    return Response(status_code=499)
+
   async def _serve(request, body, prompt, chat: bool):
     params, auto = _params(body, chat)
     kind = "chatcmpl" if chat else "cmpl"
@@ -356,11 +361,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
                                  media_type="text/event-stream")
-    except ClientGone:
-      loop.abort(rid)
-      log.info("request %s: client disconnected; aborted", rid)
-      from fastapi.responses import Response  # noqa: PLC0415
-      return Response(status_code=499)
+    except ClientGone:  # nobody to answer: free the work, say so once, no traceback
+      return _gone(rid)
     except BaseException:
       loop.abort(rid)
       raise
@@ -377,10 +379,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
         reasons[item.index] = item.finish_reason or reasons[item.index]
         prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
     except ClientGone:  # nobody to answer: free the work, say so once, no traceback
-      loop.abort(rid)
-      log.info("request %s: client disconnected; aborted", rid)
-      from fastapi.responses import Response  # noqa: PLC0415
-      return Response(status_code=499)
+      return _gone(rid)
     except BaseException:
       loop.abort(rid)
       raise
