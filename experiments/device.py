@@ -222,10 +222,15 @@ def attention_timing(suite: Suite):
             suite, label, fns, (q, k, v), bwd, 0.5 if bwd else 0.7))
 
 
+def _grads(fns):
+  """Each ``f(q, k, v)`` as the gradients of ``sum(f)`` w.r.t. q, k and v (forward+backward)."""
+  return {n: jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2))
+          for n, f in fns.items()}
+
+
 def _timed_vs_peer(suite, label, fns, args, bwd, goal):
   if bwd:
-    fns = {n: jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2))
-           for n, f in fns.items()}
+    fns = _grads(fns)
   timed = time_interleaved({n: jax.jit(f) for n, f in fns.items()}, *args, rounds=suite.rounds(5))
   ratio = timed["cudnn"].min / timed["ours"].min
   return [Row(f"{label} vs cuDNN", "ms", ours=timed["ours"].ms, baseline=timed["cudnn"].ms,
@@ -257,8 +262,7 @@ def _sparse_row(suite, label, attention, args, mask, full, real, bwd, goal):
   fns = {"sparse": lambda q, k, v: attention(q, k, v, mask=mask, impl=suite.impl),
          "all visited": lambda q, k, v: attention(q, k, v, mask=full, impl=suite.impl)}
   if bwd:
-    fns = {n: jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2))
-           for n, f in fns.items()}
+    fns = _grads(fns)
   timed = time_interleaved({n: jax.jit(f) for n, f in fns.items()}, *args, rounds=suite.rounds(5))
   ratio = timed["all visited"].min / timed["sparse"].min
   return [Row(f"{label} vs the all-visited layout", "ms", ours=timed["sparse"].ms,

@@ -47,12 +47,7 @@ from jaxsys.core.results import Row, run_dir, write_result
 NAME = "serving"
 
 
-def _model(quick: bool, seed: int = 0, dtype: str = "float32"):
-  model, tok, name = _base_model(quick, seed)
-  return with_compute_dtype(model, dtype), tok, name
-
-
-def _base_model(quick: bool, seed: int = 0):
+def _model(quick: bool, seed: int = 0):
   if quick:
     from jaxsys.models._decoder_config import DecoderConfig
     from jaxsys.models.decoder import random_model
@@ -160,7 +155,8 @@ def run(quick: bool, out_dir, parts=None, seed: int = 0, dtype: str = "float32")
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
   name = NAME if parts == PARTS else NAME + "_" + "_".join(parts)
   out = run_dir(name, out_dir)
-  model, tok, model_name = _model(quick, seed, dtype)
+  model, tok, model_name = _model(quick, seed)
+  model = with_compute_dtype(model, dtype)
   config = {"model": model_name, "seed": seed, "dtype": dtype,
             "load_average_start": round(os.getloadavg()[0], 2)}
   rows, results = [], {}

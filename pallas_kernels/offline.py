@@ -143,10 +143,10 @@ def compile_sm90(kernel: Captured) -> KernelReport:
     ptx.write_text(compiled.asm["ptx"])
     log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o",
                           str(Path(tmp) / "out.cubin")], capture_output=True, text=True, check=True).stderr
-  found = {k: sum(int(x) for x in rx.findall(log)) if k != "registers" else max(map(int, rx.findall(log)), default=0)
-           for k, rx in _PTXAS.items()}
+  counts = {k: [int(x) for x in rx.findall(log)] for k, rx in _PTXAS.items()}  # one per function
   return KernelReport(kernel.name, kernel.num_warps, kernel.num_stages, int(compiled.metadata.shared),
-                      found["registers"], found["spill_stores"], found["spill_loads"])
+                      max(counts["registers"], default=0), sum(counts["spill_stores"]),
+                      sum(counts["spill_loads"]))
 
 
 def compile_all(fn, *args) -> list[KernelReport]:

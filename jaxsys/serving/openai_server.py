@@ -339,10 +339,19 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     return {"tokens": [_token(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{_token(a): v for a, v in x.top} for x in lps]}
 
-  def _gone(rid):
-    loop.abort(rid)
-    log.info("request %s: client disconnected; aborted", rid)
-    return Response(status_code=499)
+  async def _gather(q, request, n: int):
+    """A non-streamed request's outputs until it is done: ``(texts, logprobs, finish reasons,
+    prompt tokens, completion tokens per choice)``."""
+    texts, lps, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+    prompt_tokens, completion = 0, [0] * n
+    while (item := await _next(q, request)) != _DONE:
+      if isinstance(item, Exception):
+        raise item
+      texts[item.index].append(item.new_text or "")
+      lps[item.index] += item.logprobs or []
+      reasons[item.index] = item.finish_reason or reasons[item.index]
+      prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
+    return texts, lps, reasons, prompt_tokens, completion
 
   async def _serve(request, body, prompt, chat: bool):
     params, auto = _params(body, chat)
@@ -361,25 +370,11 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
                                  media_type="text/event-stream")
+      texts, lps, reasons, prompt_tokens, completion = await _gather(q, request, params.n)
     except ClientGone:  # nobody to answer: free the work, say so once, no traceback
-      return _gone(rid)
-    except BaseException:
       loop.abort(rid)
-      raise
-    texts = [[] for _ in range(params.n)]
-    lps = [[] for _ in range(params.n)]
-    reasons = [None] * params.n
-    prompt_tokens, completion = 0, [0] * params.n
-    try:
-      while (item := await _next(q, request)) != _DONE:
-        if isinstance(item, Exception):
-          raise item
-        texts[item.index].append(item.new_text or "")
-        lps[item.index] += item.logprobs or []
-        reasons[item.index] = item.finish_reason or reasons[item.index]
-        prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
-    except ClientGone:  # nobody to answer: free the work, say so once, no traceback
-      return _gone(rid)
+      log.info("request %s: client disconnected; aborted", rid)
+      return Response(status_code=499)
     except BaseException:
       loop.abort(rid)
       raise
