@@ -9,13 +9,14 @@ Backward (Alg. 2): a dq kernel over the same table and a dk/dv kernel over the t
 Tables are int32 ``tab[Ht, n, W]`` rows ``[count, ids[V], classes[V], bits[V], 0...]`` (Ht = 1
 shared or one per query head): class 1 = block fully visible (no token mask), 2 = evaluate the
 token mask ``visible_fn(q_idx, q_pos, k_idx, head, bits) -> bool`` given by the caller; ``bits``
-carries per-block constants (e.g. block-sparse layout bits). On Triton the tables are ordinary
-blocked inputs; on TPU they are scalar-prefetched into SMEM (``PrefetchScalarGridSpec``).
+carries per-block constants (e.g. block-sparse layout bits). The tables are ordinary blocked
+inputs here; the Mosaic (TPU) kernels of ``flash_tpu.py`` scalar-prefetch a packed form into SMEM
+and stream the visited K/V blocks through the grid (``flash_attention`` picks by backend).
 
 Layout: q/out ``[b, h, Tq, d]``, k/v ``[b, hk, Tk, d]`` with lengths padded to block multiples
 (the XLA twin is ``jaxsys.ops.attn.xla``; the wrapper is ``jaxsys.ops.attn.pallas``).
-Query head ``h`` reads kv head ``h // (heads // kv_heads)``; each program holds its kv head's
-full K/V rows and slices the visited tiles, so memory is linear in length.
+Query head ``h`` reads kv head ``h // (heads // kv_heads)``; each Triton program holds its kv
+head's full K/V rows and slices the visited tiles (memory linear in length, read from L2/HBM).
 """
 
 from __future__ import annotations
@@ -23,21 +24,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import flash_tiles
+from pallas_kernels import flash_tiles, flash_tpu
+from pallas_kernels.flash_common import BACKENDS, F32, KernelConfig, dot, dot_ta, mask_scores
 
 __all__ = ["BACKENDS", "block_sparse_nodes", "BlockSizes", "check_kv_cells", "flash_attention",
-           "KernelConfig", "layout_cells"]
+           "KernelConfig", "layout_cells", "pack_tables"]
 
-_F32 = jnp.float32
-BACKENDS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,73 +188,14 @@ def check_kv_cells(block_k: int, cells_k, backend: str):
         f"kv tiles are {'multiples of 128' if backend == 'mosaic' else 'powers of two >= 16'})")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class KernelConfig:
-  """Static description of one call (shapes are the padded kernel shapes)."""
-  heads: int
-  kv_heads: int
-  table_heads: int               # 1 (shared table) or heads
-  visits: int                    # V: table slots per row
-  visits_t: int                  # V of the transposed table
-  block_q: int
-  block_k: int
-  scale: float
-  q_len: int                     # real (unpadded) lengths
-  kv_len: int
-  visible_fn: Callable[..., Any]  # (q_idx [bq,1], q_pos, k_idx [1,bk], head, bits) -> bool
-  backend: str = "triton"
-  interpret: bool = False
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    if self.backend not in BACKENDS:
-      raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
-    if self.heads % self.kv_heads:
-      raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
-
-  @property
-  def group(self) -> int:
-    return self.heads // self.kv_heads
-
-
 # ----------------------------------------------------------------------------- shared pieces
 
 
-def _table_reader(cfg: KernelConfig, tab_ref, head, row, visits):
-  """``read(kind, j)`` for kind in {"cnt", "idx", "cls", "bits"} of table row ``row``."""
-  th = head if cfg.table_heads > 1 else 0
+def _table_reader(tab_ref, visits):
+  """``read(kind, j)`` for kind in {"cnt", "idx", "cls", "bits"} of the blocked table row
+  ``tab_ref [W]`` = ``[count, ids[V], classes[V], bits[V], 0...]``."""
   base = {"cnt": 0, "idx": 1, "cls": 1 + visits, "bits": 1 + 2 * visits}
-
-  def read(kind, j=0):
-    col = base[kind] + j
-    if cfg.backend == "mosaic" and not cfg.interpret:
-      return tab_ref[th, row, col]                 # SMEM [Ht, n, W]
-    return tab_ref[col]                            # blocked row [W]
-  return read
-
-
-def _scalars(cfg: KernelConfig, scal_ref, b):
-  if cfg.backend == "mosaic" and not cfg.interpret:
-    return scal_ref[b, 0], scal_ref[b, 1]
-  return scal_ref[0], scal_ref[1]
-
-
-def _dot(a, b, trans_b=False):
-  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=_F32)
-
-
-def _dot_ta(a, b):
-  """``a^T b`` for a ``[m, k]``, b ``[m, n]``."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-
-
-def _mask_scores(cfg, s, cls, qi, qpos, ki, head, bits, qseg, kseg, kv_length):
-  """Sets invisible logits to -inf; class-1 (fully visible) blocks skip the token mask."""
-  vis = (ki < cfg.kv_len) & (ki < kv_length) & (qseg == kseg)
-  vis = vis & cfg.visible_fn(qi, qpos, ki, head, bits)
-  return jnp.where((cls == 1) | vis, s, -jnp.inf)
+  return lambda kind, j=0: tab_ref[base[kind] + j]
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -263,10 +203,10 @@ def _mask_scores(cfg, s, cls, qi, qpos, ki, head, bits, qseg, kseg, kv_length):
 
 def _fwd_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref,
                 o_ref, lse_ref):
-  b, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  head, i = pl.program_id(1), pl.program_id(2)
   bq, bk = cfg.block_q, cfg.block_k
-  read = _table_reader(cfg, tab_ref, head, i, cfg.visits)
-  q_off, kv_length = _scalars(cfg, scal_ref, b)
+  read = _table_reader(tab_ref, cfg.visits)
+  q_off, kv_length = scal_ref[0], scal_ref[1]
   q = q_ref[...]                                             # [bq, d]
   qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   qseg = qseg_ref[...]                                       # [bq, 1]
@@ -277,20 +217,20 @@ def _fwd_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_
     start = pl.multiple_of(kb * bk, bk)
     k = k_ref[pl.ds(start, bk), :]                           # [bk, d]
     v = v_ref[pl.ds(start, bk), :]
-    s = _dot(q, k, trans_b=True) * cfg.scale                 # [bq, bk] f32
+    s = dot(q, k, trans_b=True) * cfg.scale                 # [bq, bk] f32
     ki = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    s = _mask_scores(cfg, s, read("cls", j), qi, qi + q_off, ki, head, read("bits", j), qseg,
+    s = mask_scores(cfg, s, read("cls", j), qi, qi + q_off, ki, head, read("bits", j), qseg,
                      kseg_ref[:, pl.ds(start, bk)], kv_length)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)        # all-masked rows stay finite
     p = jnp.exp(s - m_safe)
     corr = jnp.exp(m - m_safe)
     l = l * corr + jnp.sum(p, axis=1, keepdims=True)
-    acc = acc * corr + _dot(p.astype(v.dtype), v)
+    acc = acc * corr + dot(p.astype(v.dtype), v)
     return m_new, l, acc
 
-  init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32),
-          jnp.zeros((bq, o_ref.shape[-1]), _F32))
+  init = (jnp.full((bq, 1), -jnp.inf, F32), jnp.zeros((bq, 1), F32),
+          jnp.zeros((bq, o_ref.shape[-1]), F32))
   m, l, acc = lax.fori_loop(0, read("cnt"), visit, init)
   l_safe = jnp.where(l > 0, l, 1.0)
   o_ref[...] = (acc / l_safe).astype(o_ref.dtype)
@@ -302,10 +242,10 @@ def _fwd_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_
 
 def _dq_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref,
                do_ref, lse_ref, delta_ref, dq_ref):
-  b, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  head, i = pl.program_id(1), pl.program_id(2)
   bq, bk = cfg.block_q, cfg.block_k
-  read = _table_reader(cfg, tab_ref, head, i, cfg.visits)
-  q_off, kv_length = _scalars(cfg, scal_ref, b)
+  read = _table_reader(tab_ref, cfg.visits)
+  q_off, kv_length = scal_ref[0], scal_ref[1]
   q, do = q_ref[...], do_ref[...]
   lse = lse_ref[...]
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)             # rows that see nothing: p = 0
@@ -318,24 +258,24 @@ def _dq_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_r
     start = pl.multiple_of(kb * bk, bk)
     k = k_ref[pl.ds(start, bk), :]
     v = v_ref[pl.ds(start, bk), :]
-    s = _dot(q, k, trans_b=True) * cfg.scale
+    s = dot(q, k, trans_b=True) * cfg.scale
     ki = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    s = _mask_scores(cfg, s, read("cls", j), qi, qi + q_off, ki, head, read("bits", j), qseg,
+    s = mask_scores(cfg, s, read("cls", j), qi, qi + q_off, ki, head, read("bits", j), qseg,
                      kseg_ref[:, pl.ds(start, bk)], kv_length)
     p = jnp.exp(s - lse)
-    ds = p * (_dot(do, v, trans_b=True) - delta)
-    return dq + _dot(ds.astype(k.dtype), k)
+    ds = p * (dot(do, v, trans_b=True) - delta)
+    return dq + dot(ds.astype(k.dtype), k)
 
-  dq = lax.fori_loop(0, read("cnt"), visit, jnp.zeros(dq_ref.shape, _F32))
+  dq = lax.fori_loop(0, read("cnt"), visit, jnp.zeros(dq_ref.shape, F32))
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref,
                  do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-  b, head, jb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  head, jb = pl.program_id(1), pl.program_id(2)
   bq, bk = cfg.block_q, cfg.block_k
-  read = _table_reader(cfg, tab_ref, head, jb, cfg.visits_t)
-  q_off, kv_length = _scalars(cfg, scal_ref, b)
+  read = _table_reader(tab_ref, cfg.visits_t)
+  q_off, kv_length = scal_ref[0], scal_ref[1]
   k, v = k_ref[...], v_ref[...]                              # [bk, d]
   ki = jb * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
   kseg = kseg_ref[...]                                       # [1, bk]
@@ -350,16 +290,16 @@ def _dkdv_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     delta = delta_ref[pl.ds(start, bq), :]
     qi = start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    s = _dot(q, k, trans_b=True) * cfg.scale
-    s = _mask_scores(cfg, s, read("cls", t), qi, qi + q_off, ki, head, read("bits", t),
+    s = dot(q, k, trans_b=True) * cfg.scale
+    s = mask_scores(cfg, s, read("cls", t), qi, qi + q_off, ki, head, read("bits", t),
                      qseg_ref[pl.ds(start, bq), :], kseg, kv_length)
     p = jnp.exp(s - lse)                                     # [bq, bk]
-    dv = dv + _dot_ta(p.astype(do.dtype), do)
-    ds = p * (_dot(do, v, trans_b=True) - delta)
-    dk = dk + _dot_ta(ds.astype(q.dtype), q)
+    dv = dv + dot_ta(p.astype(do.dtype), do)
+    ds = p * (dot(do, v, trans_b=True) - delta)
+    dk = dk + dot_ta(ds.astype(q.dtype), q)
     return dk, dv
 
-  init = (jnp.zeros(dk_ref.shape, _F32), jnp.zeros(dv_ref.shape, _F32))
+  init = (jnp.zeros(dk_ref.shape, F32), jnp.zeros(dv_ref.shape, F32))
   dk, dv = lax.fori_loop(0, read("cnt"), visit, init)
   dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -368,24 +308,32 @@ def _dkdv_kernel(cfg: KernelConfig, tab_ref, scal_ref, q_ref, k_ref, v_ref, qseg
 # ----------------------------------------------------------------------------- pallas_call plumbing
 
 
+def pack_tables(idx, cls, cnt, bits, *, backend: str):
+  """Visit tables ``idx, cls, bits [Ht, n, V]``, ``cnt [Ht, n]`` -> ``(int32 [Ht, n, W], V)`` in
+  the backend's format: Triton rows ``[cnt, idx[V], cls[V], bits[V], 0...]`` padded to a power
+  of two (one blocked load per program); Mosaic rows as :func:`flash_tpu.pack_tables`."""
+  idx = np.asarray(idx)
+  ht, n, v = idx.shape
+  if backend == "mosaic":
+    return flash_tpu.pack_tables(idx, cls, cnt, bits), max(v, 1)
+  w = _next_pow2(1 + 3 * v)
+  tab = np.zeros((ht, n, w), np.int32)
+  tab[..., 0] = cnt
+  tab[..., 1:1 + v] = idx
+  tab[..., 1 + v:1 + 2 * v] = cls
+  tab[..., 1 + 2 * v:1 + 3 * v] = bits
+  return tab, v
+
+
 def _call(cfg: KernelConfig, kernel, name, grid, tab, scal, in_specs, arrays, out_specs, out_shape):
-  """One pallas_call; tables go to SMEM (scalar prefetch) on TPU, as blocked inputs elsewhere."""
+  """One pallas_call; each program gets its table row and its batch row's scalars as blocked
+  inputs."""
   ht = cfg.table_heads
-  if cfg.backend == "mosaic" and not cfg.interpret:
-    from jax.experimental.pallas import tpu as pltpu
-    shift = lambda spec: pl.BlockSpec(spec.block_shape, lambda *a, f=spec.index_map: f(*a[:3]))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=grid, in_specs=[shift(s) for s in in_specs],
-        out_specs=[shift(s) for s in out_specs])
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
-    return pl.pallas_call(functools.partial(kernel, cfg), out_shape=out_shape,
-                          grid_spec=grid_spec, compiler_params=params, name=name)(
-                              tab, scal, *arrays)
   tab_spec = pl.BlockSpec((None, None, tab.shape[-1]),
                           lambda b, h, r: (h if ht > 1 else 0, r, 0))
   scal_spec = pl.BlockSpec((None, scal.shape[-1]), lambda b, h, r: (b, 0))
   params = None
-  if cfg.backend == "triton" and not cfg.interpret:
+  if not cfg.interpret:
     from jax.experimental.pallas import triton as pltr
     params = pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   return pl.pallas_call(functools.partial(kernel, cfg), out_shape=out_shape, grid=grid,
@@ -422,7 +370,7 @@ def _forward(cfg, tab, scal, q, k, v, qseg, kseg):
   tk, dv = k.shape[2], v.shape[-1]
   sp = _specs(cfg, tq, tk, d, dv)
   out_shape = [jax.ShapeDtypeStruct((b, h, tq, dv), q.dtype),
-               jax.ShapeDtypeStruct((b, h, tq, 1), _F32)]
+               jax.ShapeDtypeStruct((b, h, tq, 1), F32)]
   return _call(cfg, _fwd_kernel, "flash_attention_fwd", (b, h, tq // cfg.block_q), tab, scal,
                [sp["q_blk"], sp["k_all"], sp["v_all"], sp["qseg_blk"], sp["kseg_all"]],
                [q, k, v, qseg, kseg], [sp["o_blk"], sp["col_blk"]], out_shape)
@@ -433,7 +381,7 @@ def _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse):
   tk, dv = k.shape[2], v.shape[-1]
   sp = _specs(cfg, tq, tk, d, dv)
   # delta_i = rowsum(dO * O) - dlse_i: d lse / d s = p folds the lse cotangent into delta.
-  delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1, keepdims=True) - dlse
+  delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1, keepdims=True) - dlse
   dq = _call(cfg, _dq_kernel, "flash_attention_bwd_dq", (b, h, tq // cfg.block_q), tab, scal,
              [sp["q_blk"], sp["k_all"], sp["v_all"], sp["qseg_blk"], sp["kseg_all"],
               sp["o_blk"], sp["col_blk"], sp["col_blk"]],
@@ -445,8 +393,8 @@ def _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse):
                   [sp["q_all"], sp["k_blk"], sp["v_blk"], sp["qseg_all"], sp["kseg_blk"],
                    sp["do_all"], sp["col_all"], sp["col_all"]],
                   [q, k, v, qseg, kseg, do, lse, delta], [sp["dk_blk"], sp["dv_blk"]],
-                  [jax.ShapeDtypeStruct((b, h, tk, d), _F32),
-                   jax.ShapeDtypeStruct((b, h, tk, dv), _F32)])
+                  [jax.ShapeDtypeStruct((b, h, tk, d), F32),
+                   jax.ShapeDtypeStruct((b, h, tk, dv), F32)])
   hk = cfg.kv_heads
   dk = dk.reshape(b, hk, cfg.group, tk, d).sum(2).astype(k.dtype)
   dvv = dvv.reshape(b, hk, cfg.group, tk, dv).sum(2).astype(v.dtype)
@@ -457,24 +405,28 @@ def flash_attention(cfg: KernelConfig, tab, tab_t, scal, q, k, v, qseg, kseg):
   """``(out [b, h, Tq, dv], lse [b, h, Tq, 1] f32)``; differentiable in q, k, v (and via lse).
 
   Args:
-    tab, tab_t: int32 visit tables ``[Ht, nq, W]`` / transposed ``[Ht, nk, W_t]``.
+    tab, tab_t: int32 visit tables ``[Ht, nq, W]`` / transposed ``[Ht, nk, W_t]``, packed by
+      :func:`pack_tables` for ``cfg.backend``.
     scal: int32 ``[b, 2]`` = (q_offset, kv_length) per batch row.
     q ``[b, h, Tq, d]``, k ``[b, hk, Tk, d]``, v ``[b, hk, Tk, dv]`` padded to block multiples.
     qseg ``[b, Tq, 1]``, kseg ``[b, 1, Tk]`` int32 segment ids (equal ids attend).
   """
 
+  forward, backward = ((flash_tpu.forward, flash_tpu.backward) if cfg.backend == "mosaic"
+                       else (_forward, _backward))
+
   @jax.custom_vjp
   def attn(q, k, v):
-    return _forward(cfg, tab, scal, q, k, v, qseg, kseg)
+    return forward(cfg, tab, scal, q, k, v, qseg, kseg)
 
   def fwd(q, k, v):
-    out, lse = _forward(cfg, tab, scal, q, k, v, qseg, kseg)
+    out, lse = forward(cfg, tab, scal, q, k, v, qseg, kseg)
     return (out, lse), (q, k, v, out, lse)
 
   def bwd(res, cts):
     q, k, v, out, lse = res
     do, dlse = cts
-    return _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse)
+    return backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse)
 
   attn.defvjp(fwd, bwd)
   return attn(q, k, v)

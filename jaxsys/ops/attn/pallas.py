@@ -26,6 +26,7 @@ from jaxsys.ops import masks as M
 from jaxsys.ops.attn import layout as layout_lib
 from jaxsys.ops.attn.common import AttentionArgs
 from pallas_kernels import flash_attention as fa
+from pallas_kernels import flash_tpu
 from pallas_kernels import flash_tiles as fta
 
 __all__ = ["BlockSizes", "pallas_attention", "pallas_compiled", "pallas_interpreted"]
@@ -117,19 +118,6 @@ def _choose_blocks(bs: fa.BlockSizes | None, mask, tq, tk, nodes, backend, items
   return bq, bk
 
 
-def _pack(cls_tables, bits):
-  """``(idx, cls, cnt)`` + bits -> int32 ``[Ht, n, W]`` rows ``[cnt, idx[V], cls[V], bits[V]]``."""
-  idx, cls, cnt = cls_tables
-  ht, n, v = idx.shape
-  w = _next_pow2(1 + 3 * v)
-  tab = np.zeros((ht, n, w), np.int32)
-  tab[..., 0] = cnt
-  tab[..., 1:1 + v] = idx
-  tab[..., 1 + v:1 + 2 * v] = cls
-  tab[..., 1 + 2 * v:1 + 3 * v] = bits
-  return tab, v
-
-
 def _block_bits(nodes, slots, lay: layout_lib.BlockLayout):
   """int64 ``[Ht, nq, nk]``: the layout bits of every BlockSparse node at each kernel block."""
   nq, nk = lay.num_q_blocks, lay.num_k_blocks
@@ -185,8 +173,10 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
   bits = _block_bits(nodes, slots, lay)                                     # [Ht, nq, nk]
   bits_g = np.take_along_axis(bits, tables[0], axis=-1)
   bits_t = np.take_along_axis(np.swapaxes(bits, 1, 2), tables_t[0], axis=-1)
-  tab, v_fwd = _pack(tables, bits_g)
-  tab_t, v_bwd = _pack(tables_t, bits_t)
+  tab, v_fwd = fa.pack_tables(*tables, bits_g, backend=backend)
+  tab_t, v_bwd = fa.pack_tables(*tables_t, bits_t, backend=backend)
+  if backend == "mosaic" and not interpret:  # the TPU budgets: SMEM tables, streamed VMEM tiles
+    flash_tpu.check_budgets(max(tab.nbytes, tab_t.nbytes), bq, bk, d_p, dv_p, size)
 
   def padded(length, blk):
     n = -(-length // blk)
