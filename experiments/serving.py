@@ -24,6 +24,13 @@ at 0.2 req/s (faster than any server here finishes one): continuous batching wit
 vs LServe (page selection at 1/4 of the context, 50% streaming heads) vs llama.cpp's server.
 Goal: LServe's throughput ahead of both.
 
+Part ``soak``: 64 concurrent clients send 256 requests (512 full), 20% of them abusive (malformed
+JSON, wrong types, giant ``n`` and ``max_tokens``, lone surrogates, an unsupported field, a
+stream whose client hangs up after one chunk; ``jaxsys.serving.soak``), against the same server
+after a clean run of the same well-formed load without the abusive requests (other prompts of the
+same lengths, so the prefix cache favours neither). Goals: every well-formed request completes, their p99 latency
+within 1.5x of the clean run's, 0 pages leaked, 0 engine restarts or 5xx.
+
 ``run(quick, out_dir, parts=None, seed=0)``: ``--seed S`` draws other prompts, Poisson arrival
 times and (quick) random weights (seed 0: the default table); SmolLM2 is the fixed checkpoint.
 """
@@ -141,13 +148,13 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
   return proc
 
 
-PARTS = ("rates", "long")
+PARTS = ("rates", "long", "soak")
 FACTORS = (0.5, 1.0, 2.0)  # arrival rates, as multiples of what one request at a time sustains
 
 
 def run(quick: bool, out_dir, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """``parts``: ``rates`` (ragged prompts at three rates), ``long`` (8K-token prompts: dense vs
-  LServe vs llama.cpp); a subset is written as ``serving_<parts>``. ``seed``: the run's ``--seed``
+  LServe vs llama.cpp), ``soak`` (64 concurrent clients, 20% abusive); a subset is written as ``serving_<parts>``. ``seed``: the run's ``--seed``
   (prompts, arrival times, the quick model's weights), passed to each part. ``dtype``: the served
   model's compute dtype (``--dtype``; llama.cpp's peer stays F32)."""
   parts = tuple(parts or PARTS)
@@ -164,6 +171,8 @@ def run(quick: bool, out_dir, parts=None, seed: int = 0, dtype: str = "float32")
     rows += _rates(quick, model, tok, model_name, config, results, out, seed)
   if "long" in parts:
     rows += _long(quick, model, tok, model_name, config, results, seed)
+  if "soak" in parts:
+    rows += _soak(quick, model, tok, model_name, config, seed)
   config["load_average_end"] = round(os.getloadavg()[0], 2)
   write_result(name, rows, config=config, quick=quick, out_dir=out_dir,
                extra={"results": {f"{k[0]} @ {k[1]}": v for k, v in results.items()}})
@@ -368,3 +377,49 @@ def _plot(results, rates, path):
 if __name__ == "__main__":
   from experiments._cli import main
   sys.exit(main(NAME))
+
+
+def _soak(quick, model, tok, model_name, config, seed: int = 0) -> list[Row]:
+  """The clean run, then the abusive one, on one continuous-batching (dense) server."""
+  import dataclasses
+
+  from jaxsys.serving.openai_server import start_server
+  from jaxsys.serving.soak import SoakConfig, soak
+  cfg = SoakConfig(clients=64, requests=256 if quick else 512, abusive=0.2,
+                   max_tokens=8 if quick else 16, seed=reseed(2, seed))
+  rng = np.random.default_rng(reseed(2, seed))
+  lens = rng.integers(8, 48, cfg.requests)
+  prompts = {run: _texts(tok, [rng.integers(3, model.config.vocab_size, int(n)).tolist() for n in lens])
+             for run in ("warm", "clean", "abusive")}
+  engine = _engines(model, tok, 16, 256 if quick else 1024)["continuous (dense)"]()
+  free = engine.num_free_pages
+  server = start_server(engine, model_name)
+  try:
+    soak(server.url, model_name, prompts["warm"], dataclasses.replace(cfg, abusive=0.0))  # compile
+    thread = server.loop.thread
+    # the same well-formed load without the abusive requests
+    n_ok = cfg.requests - round(cfg.requests * cfg.abusive)
+    clean = soak(server.url, model_name, prompts["clean"], dataclasses.replace(cfg, requests=n_ok, abusive=0.0))
+    bad = soak(server.url, model_name, prompts["abusive"], cfg)
+    end = time.time() + 60
+    while (engine.has_unfinished() or server.loop.num_pending) and time.time() < end:
+      time.sleep(0.05)
+    leaked = free - engine.num_free_pages
+    restarts = int(server.loop.thread is not thread or not server.loop.alive)
+  finally:
+    server.stop()
+  print(f"  soak clean: {clean}\n  soak abusive: {bad}", flush=True)
+  config["soak"] = {**dataclasses.asdict(cfg), "clean": clean, "abusive": bad, "pages_leaked": leaked,
+                    "engine_restarts": restarts}
+  tag = f"{cfg.clients} clients, {cfg.abusive:.0%} abusive"
+  return [
+      Row(f"soak, {tag}: well-formed requests completed", "fraction", ours=bad["completed"] / bad["well_formed"],
+          goal=">= 1 (ours)", note=f"{bad['completed']} of {bad['well_formed']}"),
+      Row(f"soak, {tag}: p99 latency of the well-formed requests vs a clean run", "s",
+          ours=bad["latency_p99"], baseline=clean["latency_p99"], baseline_name="clean (no abusive requests)",
+          ratio=clean["latency_p99"] / bad["latency_p99"], goal=">= 0.67",
+          note="ratio = clean/abusive: >= 0.67 is p99 within 1.5x of the clean run"),
+      Row(f"soak, {tag}: pages leaked", "pages", ours=leaked, goal="<= 0 (ours)"),
+      Row(f"soak, {tag}: engine restarts + 5xx replies to abusive requests", "count",
+          ours=restarts + bad["abuse_5xx"], goal="<= 0 (ours)"),
+  ]

@@ -185,10 +185,38 @@ def test_readme_serve_section_runs(tmp_path):
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
+    _sigterm_during_a_stream_stops_the_server(proc, port)
   finally:
     proc.terminate()
     proc.wait(timeout=60)
     log.close()
+
+
+def _sigterm_during_a_stream_stops_the_server(proc, port):
+  """SIGTERM while a client streams a long reply: the server exits within a bounded time (5 s of
+  grace for open requests, then they are cancelled and the engine thread joined), not when the
+  stream would have ended."""
+  import threading
+  import time
+
+  import httpx
+  started = threading.Event()
+
+  def stream():
+    body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    try:
+      with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as s:
+        for _ in s.iter_lines():
+          started.set()
+    except httpx.HTTPError:
+      pass
+  threading.Thread(target=stream, daemon=True).start()
+  assert started.wait(120)
+  t0 = time.monotonic()
+  proc.terminate()
+  proc.wait(timeout=60)
+  assert time.monotonic() - t0 < 30
 
 
 def test_reproduce_heartbeat_shows_the_running_experiments_last_line(tmp_path, capsys):

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sequences (a request counts its n) queued or running before new ones get 503")
   p.add_argument("--max-n", type=int, default=16,
                  help="largest n (choices per request) a client may ask for; more is a 400")
+  p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                 help="abort a request (and free its pages) this long after it arrives: 408, or an "
+                      "error event on a stream (default: no deadline)")
   p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                  help="token budget of one engine step (decode tokens + prefill chunks)")
   p.add_argument("--default-max-tokens", type=int, default=256,
@@ -198,9 +201,9 @@ def _serve_http(engine, args) -> int:
   mode = "dense" if engine.config.lserve.dense else f"lserve(budget={args.budget})"
   logging.getLogger("jaxsys.serving.server").info(
       "serving %s (%s) on http://%s:%d/v1", args.model, mode, args.host, args.port)
-  serve(engine, args.model, host=args.host, port=args.port, max_pending=args.max_pending,
-        default_max_tokens=args.default_max_tokens, max_n=args.max_n)
-  return 0
+  return serve(engine, args.model, host=args.host, port=args.port, max_pending=args.max_pending,
+               default_max_tokens=args.default_max_tokens, max_n=args.max_n,
+               request_timeout=args.request_timeout)
 
 
 if __name__ == "__main__":

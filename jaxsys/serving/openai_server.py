@@ -13,8 +13,11 @@ queue and receive each step's outputs on an ``asyncio.Queue`` (``call_soon_threa
 that disconnects mid-stream aborts its request, which frees its pages at the next step.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-parameter or a prompt + ``max_tokens`` beyond the context, 404 for an unknown model, 503 when
-``max_pending`` requests are already queued or running.
+parameter, a field this server does not support (``tools``, ``logit_bias`` with entries, an
+unknown name: nothing is silently ignored; fields at a neutral value such as ``"tool_choice":
+"none"`` or ``"user"`` pass) or a prompt + ``max_tokens`` beyond the context, 404 for an unknown
+model, 408 past ``--request-timeout`` (the work is aborted), 503 when ``max_pending`` sequences
+are already queued or running or the engine thread has stopped. Limits: :class:`ServerLimits`.
 
 Usage::
 
@@ -41,7 +44,7 @@ import uuid
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.serving.requests import RequestParams
 
-__all__ = ["APIError", "build_app", "EngineLoop", "serve", "ServerHandle", "start_server"]
+__all__ = ["APIError", "build_app", "EngineLoop", "serve", "ServerHandle", "ServerLimits", "start_server"]
 
 log = logging.getLogger("jaxsys.serving.server")
 
@@ -69,16 +72,38 @@ def _bad(e: Exception) -> APIError:
   return APIError(400, str(e), m.group(1) if m else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """What one server admits (``jaxsys serve`` flags of the same names).
+
+  Attributes:
+    max_pending: sequences (a request counts its ``n``) queued or running; beyond it, 503.
+    default_max_tokens: ``max_tokens`` of a request that omits it (bounded by the context left).
+    max_n: the largest ``n`` one request may ask for (``--max-n``); beyond it, 400.
+    request_timeout: seconds from arrival after which a request is aborted and its pages freed
+      (``--request-timeout``; None: no deadline). A non-streamed request then gets a 408; a stream
+      gets an error event and ends.
+  """
+  max_pending: int = 256
+  default_max_tokens: int = 256
+  max_n: int = 16
+  request_timeout: float | None = None
+
+  def __post_init__(self):
+    for name in ("max_pending", "default_max_tokens", "max_n"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an int >= 1")
+    t = self.request_timeout
+    if t is not None and not (isinstance(t, (int, float)) and 0 < t < float("inf")):
+      raise ConfigError(f"request_timeout={t!r} must be a positive number of seconds (or None)")
+
+
 class EngineLoop:
   """Runs ``engine.step()`` in a daemon thread while requests are live; see the module docstring."""
 
-  def __init__(self, engine, max_pending: int = 256, default_max_tokens: int = 256, max_n: int = 16):
-    if max_pending < 1:
-      raise ConfigError(f"max_pending={max_pending} must be >= 1")
-    if max_n < 1:
-      raise ConfigError(f"max_n={max_n} must be >= 1")
-    self.engine, self.max_pending, self.default_max_tokens = engine, max_pending, default_max_tokens
-    self.max_n = max_n                      # largest ``n`` one request may ask for
+  def __init__(self, engine, limits: ServerLimits | None = None):
+    self.engine, self.limits = engine, limits or ServerLimits()
     self._seqs: dict[str, int] = {}         # request id -> sequences (n) it holds
     self._cv = threading.Condition()
     self._cmds: collections.deque = collections.deque()
@@ -99,13 +124,13 @@ class EngineLoop:
     first ``"accepted"`` or an exception, then ``StepOutput``s, then ``"done"``."""
     if not self.alive:
       raise APIError(503, f"the engine stopped: {self.failure}", type="server_error", code="engine_stopped")
-    if params.n > self.max_n:
-      raise APIError(400, f"n={params.n} must be <= {self.max_n} (the server's --max-n)", "n")
+    if params.n > self.limits.max_n:
+      raise APIError(400, f"n={params.n} must be <= {self.limits.max_n} (the server's --max-n)", "n")
     q: asyncio.Queue = asyncio.Queue()
     with self._cv:
       # admission counts sequences: a request with n=8 takes 8 of max_pending
-      if sum(self._seqs.get(r, 1) for r in self._subs) + params.n > self.max_pending:
-        raise APIError(503, f"the server is at capacity ({self.max_pending} sequences queued or "
+      if sum(self._seqs.get(r, 1) for r in self._subs) + params.n > self.limits.max_pending:
+        raise APIError(503, f"the server is at capacity ({self.limits.max_pending} sequences queued or "
                        "running); retry later", type="server_error", code="overloaded")
       self._subs[request_id] = (asyncio.get_running_loop(), q)
       self._seqs[request_id] = params.n
@@ -150,7 +175,7 @@ class EngineLoop:
         raise InputError(f"prompt could not be tokenized: {type(err).__name__}: {err}") from err
       if auto_max_tokens:  # OpenAI's default: as many as the context leaves (bounded)
         room = e.max_seq_len - len(ids)
-        params = dataclasses.replace(params, max_tokens=max(1, min(self.default_max_tokens, room)))
+        params = dataclasses.replace(params, max_tokens=max(1, min(self.limits.default_max_tokens, room)))
       e.add_request(ids, params, rid)
     except (InputError, ConfigError) as err:
       log.info("request %s: rejected: %s", rid, err)
@@ -275,16 +300,60 @@ class ClientGone(Exception):
   """The client of a request closed its connection (its work is aborted)."""
 
 
-async def _next(q: asyncio.Queue, request, poll: float = 0.25):
-  """The next item of a request's queue, checking every ``poll`` seconds that its client is still
-  connected (``ClientGone`` otherwise), so a non-streaming client that gives up frees its pages
-  and its ``max_pending`` slot within a poll, not when its ``max_tokens`` are done."""
+def _timed_out(timeout: float) -> APIError:
+  return APIError(408, f"the request took longer than the server's --request-timeout of {timeout:g} s; "
+                  "its work was aborted", type="timeout_error", code="request_timeout")
+
+
+async def _next(q: asyncio.Queue, request, deadline: float | None, timeout: float | None,
+                poll: float = 0.25):
+  """The next item of a request's queue. Every ``poll`` seconds it checks that the client is still
+  connected (``ClientGone`` otherwise; ``request=None``: a stream, whose disconnect closes its
+  generator instead) and that the deadline has not passed (408 ``APIError``), so a client that
+  gives up, or a request past ``--request-timeout``, frees its pages and its ``max_pending``
+  share within a poll, not when its ``max_tokens`` are done."""
   while True:
     try:
       return await asyncio.wait_for(q.get(), timeout=poll)
     except asyncio.TimeoutError:
-      if await request.is_disconnected():
+      if request is not None and await request.is_disconnected():
         raise ClientGone() from None
+      if deadline is not None and time.monotonic() > deadline:
+        raise _timed_out(timeout) from None
+
+
+# Request fields beyond these are refused (400): nothing a client asks for is silently ignored.
+_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
+           "seed", "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "ignore_eos",
+           "stop_token_ids"}
+_CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_TEXT_FIELDS = _FIELDS | {"prompt", "logprobs", "echo"}
+# Fields accepted only at a value that asks for nothing this server lacks.
+_NEUTRAL = {"logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+            "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,),
+            "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default")}
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+  """400 naming the first field this endpoint does not support (``null`` counts as omitted)."""
+  known = _CHAT_FIELDS if chat else _TEXT_FIELDS
+  for name, value in body.items():
+    if name in known or value is None:
+      if name == "user" and not isinstance(value, (str, type(None))):
+        raise APIError(400, f"user must be a string, got {type(value).__name__}", "user")
+      continue
+    if name in _NEUTRAL:
+      if any(type(value) is type(ok) and value == ok for ok in _NEUTRAL[name]):
+        continue
+      raise APIError(400, f"{name}={_short(value)} is not supported by this server (accepted: "
+                     f"{' or '.join(json.dumps(v) for v in _NEUTRAL[name])})", name)
+    raise APIError(400, f"unsupported field {name!r} for /v1/{'chat/' if chat else ''}completions",
+                   name)
+
+
+def _short(value) -> str:
+  text = json.dumps(value, ensure_ascii=True)
+  return text if len(text) <= 60 else text[:57] + "..."
 
 
 def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
@@ -339,12 +408,13 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     return {"tokens": [_token(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{_token(a): v for a, v in x.top} for x in lps]}
 
-  async def _gather(q, request, n: int):
+  async def _gather(q, request, n: int, deadline):
     """A non-streamed request's outputs until it is done: ``(texts, logprobs, finish reasons,
-    prompt tokens, completion tokens per choice)``."""
+    prompt tokens, completion tokens per choice)``. ``deadline``: ``(monotonic deadline or None,
+    --request-timeout)``, as ``_next`` takes them."""
     texts, lps, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
     prompt_tokens, completion = 0, [0] * n
-    while (item := await _next(q, request)) != _DONE:
+    while (item := await _next(q, request, *deadline)) != _DONE:
       if isinstance(item, Exception):
         raise item
       texts[item.index].append(item.new_text or "")
@@ -358,9 +428,11 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     kind = "chatcmpl" if chat else "cmpl"
     rid = f"{kind}-{uuid.uuid4().hex[:24]}"
     t0 = time.perf_counter()
+    timeout = loop.limits.request_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     q = loop.submit(prompt, params, rid, auto)
     try:  # from here on, any exit but a finished reply aborts the queued work and frees its pages
-      first = await _next(q, request)
+      first = await _next(q, request, deadline, timeout)
       if isinstance(first, Exception):
         raise first
       obj = "chat.completion" if chat else "text_completion"
@@ -368,15 +440,17 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
       log.info("request %s: accepted (%s, n=%d, stream=%s)", rid, obj, params.n, bool(body.get("stream")))
       if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0),
+        return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0, (deadline, timeout)),
                                  media_type="text/event-stream")
-      texts, lps, reasons, prompt_tokens, completion = await _gather(q, request, params.n)
+      texts, lps, reasons, prompt_tokens, completion = await _gather(q, request, params.n, (deadline, timeout))
     except ClientGone:  # nobody to answer: free the work, say so once, no traceback
       loop.abort(rid)
       log.info("request %s: client disconnected; aborted", rid)
       return Response(status_code=499)
-    except BaseException:
+    except BaseException as err:
       loop.abort(rid)
+      if isinstance(err, APIError) and err.status == 408:
+        log.info("request %s: timed out after %.1fs; aborted", rid, time.perf_counter() - t0)
       raise
     choices = []
     for i in range(params.n):
@@ -393,7 +467,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
                       "total_tokens": prompt_tokens + sum(completion)}}
 
-  async def _stream(q, rid, base, obj, params, chat, usage, t0):
+  async def _stream(q, rid, base, obj, params, chat, usage, t0, deadline):
     obj += ".chunk" if chat else ""
     done = False
     sse = lambda d: f"data: {json.dumps(d)}\n\n"  # noqa: E731
@@ -404,8 +478,15 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
           yield sse({**base, "object": obj, "choices": [
               {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                "finish_reason": None}]})
-      while (item := await q.get()) != _DONE:
+      while True:
+        try:
+          item = await _next(q, None, *deadline)
+        except APIError as err:  # past --request-timeout: say so, then abort (below)
+          item = err
+        if item == _DONE:
+          break
         if isinstance(item, Exception):
+          loop.abort(rid)  # a timed-out request still holds pages (an engine error already ended it)
           yield sse(item.body() if isinstance(item, APIError) else {"error": {"message": str(item)}})
           break
         prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
@@ -433,6 +514,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
     body = await _body(request)
+    _check_fields(body, chat=True)
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
       raise APIError(400, "this model has no tokenizer chat template; use /v1/completions", "messages")
     return await _serve(request, body, _content(body.get("messages")), chat=True)
@@ -440,6 +522,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
   @app.post("/v1/completions")
   async def completions(request: Request):
     body = await _body(request)
+    _check_fields(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
@@ -469,15 +552,15 @@ class ServerHandle:
 
 
 def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 0,
-                 max_pending: int = 256, default_max_tokens: int = 256, log_level: str = "warning",
-                 max_n: int = 16):
-  """Starts uvicorn in a thread (``port=0``: a free port) and returns a :class:`ServerHandle`."""
+                 log_level: str = "warning", **limits):
+  """Starts uvicorn in a thread (``port=0``: a free port) and returns a :class:`ServerHandle`.
+  ``limits``: the fields of :class:`ServerLimits` (``max_pending=``, ``request_timeout=``, ...)."""
   import socket  # noqa: PLC0415
   import uvicorn  # noqa: PLC0415
   sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
-  loop = EngineLoop(engine, max_pending, default_max_tokens, max_n)
+  loop = EngineLoop(engine, ServerLimits(**limits))
   app = build_app(loop, model_name, engine.tokenizer)
   server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxsys-http",
@@ -493,11 +576,29 @@ def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int 
 
 
 def serve(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          max_pending: int = 256, default_max_tokens: int = 256, max_n: int = 16) -> None:
-  """Serves until interrupted (``jaxsys serve``)."""
+          graceful_seconds: float = 5.0, **limits) -> int:
+  """Serves until interrupted (``jaxsys serve``); returns the process exit code.
+
+  SIGTERM / Ctrl-C stop the server within a bounded time: open requests get ``graceful_seconds``
+  to finish, then their handlers are cancelled (which aborts their work), then the engine thread
+  is joined. If the engine thread dies, ``/health`` answers 503 and the server shuts itself down
+  and returns 1, so a supervisor restarts it instead of keeping a server that hangs every
+  request. ``limits``: the fields of :class:`ServerLimits`."""
   import uvicorn  # noqa: PLC0415
-  loop = EngineLoop(engine, max_pending, default_max_tokens, max_n)
+  loop = EngineLoop(engine, ServerLimits(**limits))
+  server = uvicorn.Server(uvicorn.Config(build_app(loop, model_name, engine.tokenizer), host=host,
+                                         port=port, log_level="info",
+                                         timeout_graceful_shutdown=graceful_seconds))
+
+  def stop_when_engine_dies():
+    loop.thread.join()
+    if loop.failure is not None:
+      log.error("the engine thread stopped (%s); shutting the server down", loop.failure)
+      server.should_exit = True
+
+  threading.Thread(target=stop_when_engine_dies, name="jaxsys-engine-watch", daemon=True).start()
   try:
-    uvicorn.run(build_app(loop, model_name, engine.tokenizer), host=host, port=port, log_level="info")
+    server.run()
   finally:
     loop.close()
+  return 1 if loop.failure is not None else 0

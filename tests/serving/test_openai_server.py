@@ -6,6 +6,8 @@ when it is not installed)."""
 
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import time
 
 import httpx
@@ -53,6 +55,17 @@ def _idle(engine, timeout=20.0):
       return True
     time.sleep(0.05)
   return False
+
+
+@contextlib.contextmanager
+def _limits(server, **kw):
+  """The shared server's ServerLimits changed for one test."""
+  old = server.loop.limits
+  server.loop.limits = dataclasses.replace(old, **kw)
+  try:
+    yield
+  finally:
+    server.loop.limits = old
 
 
 def _chat(text):
@@ -110,15 +123,12 @@ def test_errors_have_openai_shape(setup):
     client.chat.completions.create(model="gpt-4", messages=_chat("hi"))
   assert e.value.body["code"] == "model_not_found"
   # a bounded queue: with room for one request, a second one while the first streams gets 503
-  server.loop.max_pending = 1
-  try:
+  with _limits(server, max_pending=1):
     with httpx.stream("POST", server.url + "/v1/completions", json={
         "model": NAME, "prompt": "The harbour", "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
       next(s.iter_lines())
       r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
       assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-  finally:
-    server.loop.max_pending = 256
   assert _idle(engine)
 
 
@@ -218,14 +228,79 @@ def test_a_non_streaming_client_that_gives_up_frees_its_work(setup):
   assert server.loop.num_pending == 0, (server.loop.num_pending, engine.has_unfinished())
   assert _idle(engine)
   with pytest.raises(openai.BadRequestError) as e:
-    client.completions.create(model=NAME, prompt="x", max_tokens=2, n=server.loop.max_n + 1)
+    client.completions.create(model=NAME, prompt="x", max_tokens=2, n=server.loop.limits.max_n + 1)
   assert e.value.body["param"] == "n"
-  server.loop.max_pending = 3
-  try:
+  with _limits(server, max_pending=3):
     r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2, "n": 4}, timeout=30)
     assert r.status_code == 503  # 4 sequences > 3, though it is one request
-  finally:
-    server.loop.max_pending = 256
+
+
+def test_unsupported_fields_are_refused_not_ignored(setup):
+  """A field the server does not implement is a 400 naming it (it used to be dropped silently);
+  fields at a neutral value pass."""
+  _, _, engine, server, _ = setup
+  url = server.url + "/v1/chat/completions"
+  base = {"model": NAME, "messages": _chat("hi"), "max_tokens": 2}
+  refused = [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+             ({"logit_bias": {"5": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
+                                                          "response_format"),
+             ({"frobnicate": 1}, "frobnicate"), ({"user": 7}, "user"), ({"suffix": "x"}, "suffix")]
+  for extra, param in refused:
+    r = httpx.post(url, json={**base, **extra}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert param in r.json()["error"]["message"]
+  r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x", "suffix": "y"}, timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+  neutral = {"user": "u-1", "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
+             "store": False, "service_tier": "auto", "tools": None}
+  r = httpx.post(url, json={**base, **neutral}, timeout=30)
+  assert r.status_code == 200, r.text
+  assert _idle(engine)
+
+
+def test_request_timeout_aborts_and_frees_pages(setup):
+  """--request-timeout: a request still running at its deadline is aborted (pages freed); a
+  non-streamed one gets a 408, a stream an error event; requests within it are untouched."""
+  _, _, engine, server, client = setup
+  long = {"model": NAME, "prompt": "The harbour", "max_tokens": 240, "ignore_eos": True}
+  with _limits(server, request_timeout=0.3):
+    t0 = time.perf_counter()
+    r = httpx.post(server.url + "/v1/completions", json=long, timeout=60)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
+    assert time.perf_counter() - t0 < 10
+    assert _idle(engine)
+    with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as s:
+      lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+    assert any("request_timeout" in x for x in lines) and lines[-1] == "data: [DONE]"
+    assert _idle(engine)
+  with _limits(server, request_timeout=60.0):
+    out = client.completions.create(model=NAME, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+  with pytest.raises(Exception, match="request_timeout"):
+    dataclasses.replace(server.loop.limits, request_timeout=0)
+
+
+def test_soak_with_abusive_clients_completes_every_well_formed_request(setup):
+  """jaxsys.serving.soak: 16 concurrent clients, 30% of 40 requests abusive (every kind, the
+  disconnecting stream included): every well-formed request completes, no abusive one gets a
+  5xx, and the engine ends idle with every page free."""
+  from jaxsys.serving.soak import ABUSE, SoakConfig, soak
+  _, _, engine, server, _ = setup
+  prompts = [f"Tell me about the harbour, number {i}." for i in range(40)]
+  res = soak(server.url, NAME, prompts, SoakConfig(clients=16, requests=40, abusive=0.3, max_tokens=2))
+  assert res["well_formed"] == 28 and res["completed"] == 28 and res["abuse_5xx"] == 0, res
+  assert set(res["abuse"]) == set(ABUSE)
+  assert all(code.startswith("4") for kind, codes in res["abuse"].items() if kind != "disconnect"
+             for code in codes), res["abuse"]
+  assert server.loop.alive and _idle(engine)
+
+
+class _DeadEngine:
+  """An engine whose thread dies at once (as on a lost device)."""
+  tokenizer = None
+
+  def has_unfinished(self):
+    raise RuntimeError("device lost")
 
 
 def test_a_stopped_engine_thread_is_reported_not_hidden():
@@ -235,13 +310,7 @@ def test_a_stopped_engine_thread_is_reported_not_hidden():
 
   from jaxsys.serving.openai_server import EngineLoop, build_app
 
-  class Broken:
-    tokenizer = None
-
-    def has_unfinished(self):
-      raise RuntimeError("device lost")
-
-  loop = EngineLoop(Broken())
+  loop = EngineLoop(_DeadEngine())
   loop.thread.join(timeout=10)
   assert not loop.alive and "device lost" in loop.failure
   with TestClient(build_app(loop, "m")) as http:
@@ -249,6 +318,19 @@ def test_a_stopped_engine_thread_is_reported_not_hidden():
     assert r.status_code == 503 and "device lost" in r.json()["error"]
     r = http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_serve_shuts_down_with_exit_code_1_when_the_engine_thread_dies():
+  """``jaxsys serve``'s server stops itself (exit code 1 for a supervisor) once its engine thread
+  has died, instead of answering 503 forever."""
+  import threading
+
+  from jaxsys.serving.openai_server import serve
+  codes = []
+  t = threading.Thread(target=lambda: codes.append(serve(_DeadEngine(), "m", port=0)), daemon=True)
+  t.start()
+  t.join(timeout=60)
+  assert not t.is_alive() and codes == [1]
 
 
 def _fuzz_bodies():
