@@ -17,6 +17,10 @@ device, JAX version and the failures in its config). Parts (``--only``):
 * ``attention``: flash attention forward and forward+backward, bf16, d=128, causal and dense,
   4K-32K tokens, against ``jax.nn.dot_product_attention(implementation="cudnn")`` and the XLA twin.
   Goals: >= 0.7x cuDNN forward, >= 0.5x forward+backward.
+* ``jax_triton``: the Triton-language forward called through ``jax_triton`` (``impl="jax_triton"``,
+  the route past JAX 0.11's deprecation of Pallas-Triton): against the XLA twin at SmolLM2's and a
+  Llama's shapes, then forward time vs cuDNN at 4K-32K (the same goal, >= 0.7x). Carry the
+  ``jax_triton`` wheel (pure Python); without it the part records one row saying so.
 * ``block_sparse``: 10% / 25% layouts at 64- and 128-token blocks (16K), against the same kernel on
   an all-visited layout; goal >= 0.7 of the ideal (1 / density) forward, >= 0.6 forward+backward.
 * ``paged_decode``: the paged decode op over every page of 8K-token requests at batch 8 and 64,
@@ -44,7 +48,7 @@ from jaxsys.core.bench import bandwidth_probe, time_interleaved
 from jaxsys.core.results import Row, write_result
 
 NAME = "device"
-PARTS = ("correctness", "attention", "block_sparse", "paged_decode", "aggregate")
+PARTS = ("correctness", "attention", "jax_triton", "block_sparse", "paged_decode", "aggregate")
 TOL = {"float32": 2e-3, "bfloat16": 3e-2}  # kernel vs twin: f32 dots may run as TF32 on GPUs
 
 
@@ -222,6 +226,37 @@ def attention_timing(suite: Suite):
             suite, label, fns, (q, k, v), bwd, 0.5 if bwd else 0.7))
 
 
+def jax_triton_timing(suite: Suite):
+  import importlib.util
+
+  from jaxsys.ops import masks as M
+  from jaxsys.ops.attn.api import attention
+  if suite.smoke or importlib.util.find_spec("jax_triton") is None:
+    why = "smoke mode (no GPU)" if suite.smoke else "jax_triton is not installed (carry its wheel)"
+    suite.rows.append(Row("jax_triton route", "-", ours=None, note=f"not run: {why}"))
+    return
+  for h, hk, d in ((9, 3, 64), (32, 8, 128)):
+    q = _rand(0, (2, 1024, h, d), jnp.bfloat16)
+    k, v = (_rand(i, (2, 1024, hk, d), jnp.bfloat16) for i in (1, 2))
+    for causal in (True, False):
+      mask = M.Causal() if causal else None
+      label = f"jax_triton {'causal' if causal else 'dense'} {h}/{hk} d={d} bf16"
+      suite.case(label, lambda mask=mask, label=label, q=q, k=k, v=v: _compare(
+          suite, label, lambda impl, q, k, v: attention(q, k, v, mask=mask,
+                                                        impl="jax_triton" if impl != "xla" else impl),
+          (q, k, v), grad=True))
+  for t in (4096, 8192, 16384, 32768):
+    q, k, v = (_rand(i, (1, t, 16, 128), jnp.bfloat16) for i in range(3))
+    for causal in (True, False):
+      mask = M.Causal() if causal else None
+      fns = {"ours": lambda q, k, v, m=mask: attention(q, k, v, mask=m, impl="jax_triton"),
+             "xla": lambda q, k, v, m=mask: attention(q, k, v, mask=m, impl="xla"),
+             "cudnn": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
+                 q, k, v, is_causal=c, implementation="cudnn")}
+      label = f"attention (jax_triton) {'causal' if causal else 'dense'} @{t} fwd"
+      suite.case(label, lambda fns=fns, label=label: _timed_vs_peer(suite, label, fns, (q, k, v), False, 0.7))
+
+
 def _grads(fns):
   """Each ``f(q, k, v)`` as the gradients of ``sum(f)`` w.r.t. q, k and v (forward+backward)."""
   return {n: jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2))
@@ -316,7 +351,7 @@ def aggregate_timing(suite: Suite):
   suite.case(f"quantized aggregation @{n}", row)
 
 
-_PART_FUNCS = {"correctness": correctness, "attention": attention_timing,
+_PART_FUNCS = {"correctness": correctness, "attention": attention_timing, "jax_triton": jax_triton_timing,
                "block_sparse": block_sparse_timing, "paged_decode": paged_decode_timing,
                "aggregate": aggregate_timing}
 

@@ -22,8 +22,10 @@ threads as this process has cores. Parts (``--parts``):
   their greedy agreement with f32 (full mode). The f32 reference is the model as loaded (quick: the
   packed f32, the same weights fused).
 
-Quick mode (about 2 minutes on 2 cores) times batch 1 for each precision and batch 8 for f32, once
-each after compiling, without the model as loaded (the pack_for_decode comparison is full mode's).
+Quick mode (about 80 s on 2 cores) runs ``decode``, ``prefill`` and ``passkey`` for the packed f32
+model only: batch 1 and batch 8, once each after compiling. The bf16 / int8 weights, the
+``precision`` part and the model as loaded (the pack_for_decode comparison) are the full mode's
+(``--parts precision`` runs it in quick mode too).
 
 Systems run interleaved (one call each per round, best of the rounds). Without
 ``llama_cpp`` the rows compare against transformers eager only and say so. ``--seed S`` draws
@@ -48,6 +50,7 @@ from jaxsys.data.synthetic import passkey_prompts
 NAME = "real_lm"
 MODEL = "smollm2-135m-instruct"
 PARTS = ("decode", "prefill", "passkey", "precision")
+QUICK_PARTS = ("decode", "prefill", "passkey")
 LLAMA_FORMATS = {"f32": "F32", "bf16": "F16", "int8": "Q4_1"}  # jaxsys weights -> llama.cpp peer
 _NO_LLAMA = "llama.cpp not measured: pip install 'jaxsys[bench]' (llama-cpp-python)"
 
@@ -190,6 +193,8 @@ def _decode(ctx, quick: bool, seed: int) -> list[Row]:
   rows = []
   bw = ctx["bandwidth"]
   for ours_name, peer in LLAMA_FORMATS.items():
+    if ours_name not in models:
+      continue
     tps = (new - 1) / best[("jaxsys", ours_name, 1, "decode")]
     bound = bw / ctx["bytes"][ours_name]
     note = f"prompt 128, {new} new tokens; bound {bound:.1f} tokens/s = {ctx['bytes'][ours_name] / 1e6:.0f} MB / {bw / 1e9:.1f} GB/s"
@@ -363,17 +368,21 @@ def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   from jaxsys.models.decoder import pack_for_decode
   from jaxsys.models.pretrained import load_pretrained, model_path
   gen = importlib.import_module("jaxsys.serving.generation").generate
-  selected = [p for p in PARTS if not parts or p in parts]
+  # quick: f32 only (its rows carry the full mode's goals); bf16 / int8 and the precision part,
+  # rows without goals, are the full mode's (they were ~55 s of the quick run's compiles)
+  selected = [p for p in (QUICK_PARTS if quick and not parts else PARTS) if not parts or p in parts]
+  formats = (("f32", "float32"),) if quick and "precision" not in selected else (
+      ("f32", "float32"), ("bf16", "bfloat16"), ("int8", "int8"))
   t_start = time.perf_counter()
   base, tokenizer = load_pretrained(MODEL)
   models = {"f32 unpacked": base}
-  for name, fmt in (("f32", "float32"), ("bf16", "bfloat16"), ("int8", "int8")):
+  for name, fmt in formats:
     models[name] = pack_for_decode(base, fmt)
   load_start = os.getloadavg()[0]
   bw = read_bandwidth()
   ctx = {"generate": gen, "models": models, "tokenizer": tokenizer, "gguf": model_path(MODEL),
          "bandwidth": bw["xla"], "details": {},
-         "bytes": {k: _param_bytes(models[k]) for k in ("f32", "bf16", "int8")}, "llamas": {}}
+         "bytes": {k: _param_bytes(models[k]) for k, _ in formats}, "llamas": {}}
   llama_note = _NO_LLAMA
   if _have_llama() and {"decode", "prefill"} & set(selected):
     files = _llama_files(ctx["gguf"])

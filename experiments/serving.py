@@ -24,7 +24,7 @@ at 0.2 req/s (faster than any server here finishes one): continuous batching wit
 vs LServe (page selection at 1/4 of the context, 50% streaming heads) vs llama.cpp's server.
 Goal: LServe's throughput ahead of both.
 
-Part ``soak``: 64 concurrent clients send 256 requests (512 full), 20% of them abusive (malformed
+Part ``soak``: 64 concurrent clients send 128 requests (512 full), 20% of them abusive (malformed
 JSON, wrong types, giant ``n`` and ``max_tokens``, lone surrogates, an unsupported field, a
 stream whose client hangs up after one chunk; ``jaxsys.serving.soak``), against the same server
 after a clean run of the same well-formed load without the abusive requests (other prompts of the
@@ -385,7 +385,7 @@ def _soak(quick, model, tok, model_name, config, seed: int = 0) -> list[Row]:
 
   from jaxsys.serving.openai_server import start_server
   from jaxsys.serving.soak import SoakConfig, soak
-  cfg = SoakConfig(clients=64, requests=256 if quick else 512, abusive=0.2,
+  cfg = SoakConfig(clients=64, requests=128 if quick else 512, abusive=0.2,
                    max_tokens=8 if quick else 16, seed=reseed(2, seed))
   rng = np.random.default_rng(reseed(2, seed))
   lens = rng.integers(8, 48, cfg.requests)

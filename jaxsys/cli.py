@@ -3,7 +3,8 @@
   jaxsys --version                             the installed version
   jaxsys info                                  version, JAX version, devices, available implementations
   jaxsys reproduce [--quick] [--only NAME ...] [--list] [--out DIR] [--devices N] [--mesh AXES]
-                   [--dtype D] [--seed S]      run registered experiments, print a table, write runs/
+                   [--dtype D] [--seed S] [--compile-cache DIR]
+                                               run registered experiments, print a table, write runs/
   jaxsys serve ...                             OpenAI-compatible HTTP server (or the engine on a prompt file)
   jaxsys gates --model M --out gates.json      learn DuoAttention streaming-head gates (serve --gates)
   jaxsys cluster ...                           scheduler simulator sweeps and trace summaries
@@ -139,6 +140,10 @@ def _register_core(sub) -> None:
                  help="compute dtype for the experiments with a model (default: float32)")
   r.add_argument("--seed", type=experiments.parse_seed, default=None,
                  help="base seed for the experiments' data and initialisation (default: 0)")
+  r.add_argument("--compile-cache", default=None, metavar="DIR",
+                 help="JAX's persistent compilation cache for the experiments, shared by all of them (default: "
+                      "$JAX_COMPILATION_CACHE_DIR, else $JAXSYS_HOME/xla-cache; 'off': none). Programs that two "
+                      "experiments or two runs share compile once; timings never include compilation")
   r.set_defaults(fn=_reproduce)
 
 

@@ -26,8 +26,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["H100_SMEM_BYTES", "Captured", "KernelReport", "available", "capture", "compile_all",
-           "compile_sm90"]
+__all__ = ["H100_SMEM_BYTES", "Captured", "KernelReport", "TRITON_CUSTOM_CALL", "available", "capture",
+           "compile_all", "compile_source", "compile_sm90", "export_for"]
+
+#: The custom call Pallas' Triton lowering emits (``pallas_call_registration.py`` spells it out; JAX
+#: exports no constant for it). ``jax.export`` refuses custom calls not on its stable list unless
+#: told, so every CUDA export here goes through :func:`export_for`.
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 #: Largest dynamic shared memory one block may use on sm_90 (227 KiB: 228 KiB per SM less 1 KiB
 #: the driver reserves per block), the limit ``cudaFuncSetAttribute`` accepts on an H100.
@@ -99,17 +104,28 @@ _LAUNCH = re.compile(r"name\s*=\s*\"(?P<name>[^\"]+)\"[^}]*?num_stages\s*=\s*(?P
                      r"num_warps\s*=\s*(?P<warps>\d+)", re.S)
 
 
+def export_for(platform: str, fn, *args):
+  """``jax.export`` of ``jax.jit(fn)`` for one platform ("cuda" or "tpu") on any host: the one
+  place the tests and :func:`capture` lower kernels for hardware they do not have.
+
+  JAX 0.10 lowers Pallas-Triton for CUDA without a device. JAX 0.11 deprecates that backend, and
+  its CUDA lowering asks for a device's compute capability; a CPU-only host then fails here, and
+  the jax-triton route (``triton_flash.py``, compiled by :func:`compile_source` from its own
+  source) is the one that keeps its offline checks."""
+  import jax  # noqa: PLC0415
+  from jax import export  # noqa: PLC0415
+  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)] if platform == "cuda" else []
+  return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+
+
 def capture(fn, *args) -> list[Captured]:
   """Every Triton kernel ``jax.jit(fn)(*args)`` lowers to for CUDA (``args`` may be
   ``jax.ShapeDtypeStruct``), in lowering order."""
-  import jax  # noqa: PLC0415
-  from jax import export  # noqa: PLC0415
   from jax._src.interpreters import mlir  # noqa: PLC0415
 
   modules: list = []
   with _capturing(modules):
-    exp = export.export(jax.jit(fn), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    exp = export_for("cuda", fn, *args)
   text = exp.mlir_module()
   launch = {}
   for m in _LAUNCH.finditer(text):  # the custom calls' backend_config (name, num_stages, num_warps)
@@ -127,26 +143,33 @@ _PTXAS = {"registers": re.compile(r"Used (\d+) registers"),
           "spill_loads": re.compile(r"(\d+) bytes spill loads")}
 
 
-def compile_sm90(kernel: Captured) -> KernelReport:
-  """Compiles one captured kernel for sm_90a with the ``triton`` wheel and reads ``ptxas -v``."""
+def compile_source(source, name: str, num_warps: int, num_stages: int) -> KernelReport:
+  """Compiles ``source`` (a Triton IR file path, or a ``triton.compiler.ASTSource`` of a
+  ``@triton.jit`` function) for sm_90a with the ``triton`` wheel and reads ``ptxas -v``."""
   import triton  # noqa: PLC0415
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
   from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415
 
   with tempfile.TemporaryDirectory() as tmp:
-    src = Path(tmp) / f"{kernel.name}.ttir"
-    src.write_text(kernel.ttir)
-    compiled = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages,
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages,
                                        "num_ctas": 1, "enable_fp_fusion": True})  # XLA's setting
-    ptx = Path(tmp) / f"{kernel.name}.ptx"
+    ptx = Path(tmp) / f"{name}.ptx"
     ptx.write_text(compiled.asm["ptx"])
     log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o",
                           str(Path(tmp) / "out.cubin")], capture_output=True, text=True, check=True).stderr
   counts = {k: [int(x) for x in rx.findall(log)] for k, rx in _PTXAS.items()}  # one per function
-  return KernelReport(kernel.name, kernel.num_warps, kernel.num_stages, int(compiled.metadata.shared),
+  return KernelReport(name, num_warps, num_stages, int(compiled.metadata.shared),
                       max(counts["registers"], default=0), sum(counts["spill_stores"]),
                       sum(counts["spill_loads"]))
+
+
+def compile_sm90(kernel: Captured) -> KernelReport:
+  """Compiles one captured Pallas kernel (its Triton IR) for sm_90a: :func:`compile_source`."""
+  with tempfile.TemporaryDirectory() as tmp:
+    src = Path(tmp) / f"{kernel.name}.ttir"
+    src.write_text(kernel.ttir)
+    return compile_source(str(src), kernel.name, kernel.num_warps, kernel.num_stages)
 
 
 def compile_all(fn, *args) -> list[KernelReport]:

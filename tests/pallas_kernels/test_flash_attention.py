@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 from jaxsys.ops import attention, masks as M
 from jaxsys.ops.attn import common, layout as layout_lib, pallas as P, reference, xla
-from pallas_kernels import flash_attention as fa
+from pallas_kernels import flash_attention as fa, offline
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 _FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -212,9 +211,7 @@ def _export(backend, block, with_grad, seq=512, mask=_MASK):
     loss = lambda q, k, v: fwd(q, k, v, seg, lens)[0].astype(jnp.float32).sum()
     return jax.grad(loss, (0, 1, 2))(q, k, v)
 
-  exp = export.export(jax.jit(fwd_bwd if with_grad else fwd), platforms=[platform],
-                      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
-  return exp(q, k, k, seg, lens).mlir_module()
+  return offline.export_for(platform, fwd_bwd if with_grad else fwd, q, k, k, seg, lens).mlir_module()
 
 
 @pytest.mark.parametrize("backend,block", [("triton", None), ("triton", (64, 32)),

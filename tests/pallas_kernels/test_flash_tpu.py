@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 from jaxsys.ops import attention, masks as M
 from jaxsys.ops.attn import common, pallas as P
-from pallas_kernels import flash_attention as fa, flash_tpu
+from pallas_kernels import flash_attention as fa, flash_tpu, offline
 
 _KERNELS = ("flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkdv")
 _SEQ, _H, _HK, _D = 32768, 8, 2, 128
@@ -40,7 +39,7 @@ def _shapes():
 
 @pytest.mark.parametrize("name,mask", [("causal", M.Causal()), ("sparse64_10pct", _sparse_10pct())])
 def test_lowers_for_tpu_at_32k_with_a_vmem_limit_above_the_estimate(name, mask):
-  text = export.export(jax.jit(_loss(mask)), platforms=["tpu"])(*_shapes()).mlir_module()
+  text = offline.export_for("tpu", _loss(mask), *_shapes()).mlir_module()
   for kernel in _KERNELS:
     assert kernel in text, kernel
   # each tpu_custom_call carries its scoped VMEM limit (CustomCallBackendConfig.to_json)

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import offline
+
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops.graph_attn import _tile_partials_xla
 from pallas_kernels.graph_attention import (TileBlocks, tile_attention, tile_attention_bwd_call,
@@ -59,14 +61,12 @@ def test_lowers_for_cuda(blocks):
   t, h, b, d = 4, 2, 32, 16
   args = (jnp.zeros((t, h, b, d)),) * 3 + (jnp.zeros((t, b, b), jnp.int8),)
   fwd = lambda *a: tile_attention_fwd_call(*a, scale=0.25, blocks=blocks, interpret=False)
-  exp = jax.export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  exp = offline.export_for("cuda", fwd, *args)
   assert "graph_tile_attention_fwd" in exp.mlir_module()
   bargs = args + (jnp.zeros((t, h, b, d)), jnp.zeros((t, h, b)), jnp.zeros((t, h, b, d)),
                   jnp.zeros((t, h, b)))
   bwd = lambda *a: tile_attention_bwd_call(*a, scale=0.25, blocks=blocks, interpret=False)
-  exp = jax.export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*bargs)
+  exp = offline.export_for("cuda", bwd, *bargs)
   assert "graph_tile_attention_bwd" in exp.mlir_module()
 
 
@@ -110,12 +110,12 @@ def test_lowers_for_tpu(b, blocks):
   args = (jnp.zeros((t, h, b, d), jnp.bfloat16),) * 3 + (jnp.zeros((t, b, b), jnp.int8),)
   call = lambda fn: (lambda *a: fn(*a, scale=0.25, blocks=blocks, interpret=False,
                                    backend="mosaic"))
-  text = jax.export.export(jax.jit(call(tile_attention_fwd_call)), platforms=["tpu"])(
+  text = offline.export_for("tpu", call(tile_attention_fwd_call),
       *args).mlir_module()
   assert "tpu_custom_call" in text and "graph_tile_attention_fwd" in text
   row = jnp.zeros((t, h, b))
   bargs = args + (args[0], row, args[0], row)
-  text = jax.export.export(jax.jit(call(tile_attention_bwd_call)), platforms=["tpu"])(
+  text = offline.export_for("tpu", call(tile_attention_bwd_call),
       *bargs).mlir_module()
   assert "tpu_custom_call" in text and "graph_tile_attention_bwd" in text
 

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import offline
+
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops.paged_attention import paged_decode_pallas, paged_decode_xla
 from jaxsys.serving.page_select import page_scores_xla
@@ -60,9 +62,7 @@ def test_block_configs_validate():
 
 
 def _export_cuda(fn, *args):
-  return jax.export.export(
-      jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  return offline.export_for("cuda", fn, *args)
 
 
 @pytest.mark.parametrize("blocks", [PagedDecodeBlocks(), PagedDecodeBlocks(num_splits=4, num_warps=8, num_stages=3)])
@@ -85,7 +85,7 @@ def test_page_scores_lowers_for_cuda(blocks):
 
 
 def _export_tpu(fn, *args):
-  return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+  return offline.export_for("tpu", fn, *args)
 
 
 def test_page_scores_mosaic_interpret_matches_xla():

@@ -1,9 +1,10 @@
 """Pallas quantized aggregation: interpret mode vs the XLA twin; Triton lowering for CUDA."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from pallas_kernels import offline
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.ops import quantized_aggregate
@@ -39,8 +40,7 @@ def test_lowers_for_cuda(block, bits):
   fn = lambda *a: aggregate_group_kernel(*a, bits=bits, signed=True, block=block, interpret=False)
   args = (jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jnp.zeros(128, jnp.int32),
           jnp.zeros(128, jnp.float32), jnp.zeros((32, 8), jnp.uint32), jnp.zeros(32, jnp.float32))
-  exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  exp = offline.export_for("cuda", fn, *args)
   assert "quantized_aggregate_b" in exp.mlir_module()
 
 
@@ -82,7 +82,7 @@ def _kernel_args(nodes=64, edges=128, rows=32, words=8):
 def test_lowers_for_tpu(block, bits):
   fn = lambda *a: aggregate_group_kernel(*a, bits=bits, signed=True, block=block,
                                          interpret=False, backend="mosaic")
-  text = jax.export.export(jax.jit(fn), platforms=["tpu"])(*_kernel_args()).mlir_module()
+  text = offline.export_for("tpu", fn, *_kernel_args()).mlir_module()
   assert "tpu_custom_call" in text and f"quantized_aggregate_b{bits}" in text
 
 

@@ -29,9 +29,10 @@ ATTENTION = Dispatcher("attention", {
     "xla": "jaxsys.ops.attn.xla:blockwise_attention",
     "pallas": "jaxsys.ops.attn.pallas:pallas_compiled",
     "pallas_interpret": "jaxsys.ops.attn.pallas:pallas_interpreted",
+    "jax_triton": "jaxsys.ops.attn.jax_triton:jax_triton_attention",  # explicit only, GPU
     "reference": "jaxsys.ops.attn.reference:attention_reference",  # explicit only, never auto
 })
-IMPLS = ATTENTION.names  # ("auto", "xla", "pallas", "pallas_interpret", "reference")
+IMPLS = ATTENTION.names  # ("auto", "xla", "pallas", "pallas_interpret", "jax_triton", "reference")
 register = ATTENTION.register
 
 
