@@ -262,6 +262,7 @@ def child_env(args) -> dict[str, str]:
   env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))  # LRU-evicted past 1 GiB (a quick run: ~40 MiB)
   return env
 
 

@@ -321,3 +321,18 @@ def test_serve_reports_a_bad_gates_file_and_port_in_one_line(tmp_path):
   assert "error:" in out.stderr and "gates.json" in out.stderr
   out = _run("serve", "--model", "tiny", "--port", "-1")
   assert out.returncode == 2 and "Traceback" not in out.stderr and "--port -1" in out.stderr, out.stderr
+
+
+def test_reproduce_shares_a_compilation_cache(tmp_path, monkeypatch):
+  """Every experiment gets the same persistent cache (every executable stored); 'off' gives none."""
+  import argparse
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("JAXSYS_HOME", str(tmp_path / "home"))
+  env = runner.child_env(argparse.Namespace(compile_cache=None))
+  assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "home" / "xla-cache")
+  assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0" and env["PYTHONUNBUFFERED"] == "1"
+  env = runner.child_env(argparse.Namespace(compile_cache=str(tmp_path / "c")))
+  assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "c") and (tmp_path / "c").is_dir()
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "user"))
+  assert "JAX_COMPILATION_CACHE_DIR" not in runner.child_env(argparse.Namespace(compile_cache="off"))
+  assert runner.child_env(argparse.Namespace(compile_cache=None))["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "user")
