@@ -1,12 +1,24 @@
-"""Which Pallas lowering a kernel takes: Triton (GPU) or Mosaic (TPU)."""
+"""Which Pallas lowering a kernel takes: Triton (GPU) or Mosaic (TPU), and the one place the
+Triton launch parameters are built.
+
+JAX 0.11 deprecates Pallas' Triton backend (its changelog: "migrate to the Mosaic GPU backend ...
+or switch to the official Triton bindings and jax_triton"). The project still chooses Pallas-Triton
+for its GPU kernels until the jax-triton route (``triton_flash.py``) has passed the device suite,
+so :func:`triton_params` -- every Pallas-Triton kernel's compiler parameters come from it -- files
+that deprecation warning away, once, and only for warnings raised inside JAX's Pallas-Triton
+modules; a user's own Pallas-Triton kernels are built there too and are quieted alike, which this
+docstring is the record of. The jax-triton route raises no such warning.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 
 from pallas_kernels.errors import ConfigError
 
-__all__ = ["BACKENDS", "require_triton_pow2", "resolve_backend"]
+__all__ = ["BACKENDS", "require_triton_pow2", "resolve_backend", "triton_params"]
 
 BACKENDS = ("triton", "mosaic")
 
@@ -32,3 +44,20 @@ def require_triton_pow2(kernel: str, backend: str, interpret: bool, **sizes: int
     raise NotImplementedError(
         f"{kernel} on Triton needs power-of-two sizes; got "
         + ", ".join(f"{k}={v}" for k, v in bad.items()) + " (the XLA twin runs this shape)")
+
+
+_QUIETED = False
+
+
+def triton_params(num_warps: int, num_stages: int):
+  """``pallas.triton.CompilerParams`` for a Pallas-Triton kernel, with the backend's deprecation
+  warning filed away (see the module docstring)."""
+  global _QUIETED
+  if not _QUIETED:
+    warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=DeprecationWarning,
+                            module=r"jax\._src\.pallas\.triton")
+    warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=DeprecationWarning,
+                            module=r"jax\.experimental\.pallas")
+    _QUIETED = True
+  from jax.experimental.pallas import triton as pltr  # noqa: PLC0415  (GPU lowering, on use)
+  return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import flash_tiles, flash_tpu
+from pallas_kernels.backend import triton_params
 from pallas_kernels.flash_common import BACKENDS, F32, KernelConfig, dot, dot_ta, mask_scores
 
 __all__ = ["BACKENDS", "block_sparse_nodes", "BlockSizes", "check_kv_cells", "flash_attention",
@@ -334,8 +335,7 @@ def _call(cfg: KernelConfig, kernel, name, grid, tab, scal, in_specs, arrays, ou
   scal_spec = pl.BlockSpec((None, scal.shape[-1]), lambda b, h, r: (b, 0))
   params = None
   if not cfg.interpret:
-    from jax.experimental.pallas import triton as pltr
-    params = pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    params = triton_params(cfg.num_warps, cfg.num_stages)
   return pl.pallas_call(functools.partial(kernel, cfg), out_shape=out_shape, grid=grid,
                         in_specs=[tab_spec, scal_spec, *in_specs], out_specs=out_specs,
                         compiler_params=params, interpret=cfg.interpret, name=name)(

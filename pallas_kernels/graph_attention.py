@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError, ShapeError
 
-from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, resolve_backend, triton_params  # noqa: F401  (re-exported)
 
 __all__ = ["BACKENDS", "resolve_backend", "tile_attention", "tile_attention_bwd_call", "tile_attention_fwd_call", "TileBlocks"]
 
@@ -165,8 +165,7 @@ def _params(blocks, backend):
   if backend == "mosaic":
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
-  from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+  return triton_params(blocks.num_warps, blocks.num_stages)
 
 
 def _bits(bits, backend):

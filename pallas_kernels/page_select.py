@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend, triton_params  # noqa: F401  (re-exported)
 
 __all__ = ["BACKENDS", "resolve_backend", "page_scores_pallas", "PageSelectBlocks", "TPU_SMEM_BUDGET_BYTES"]
 
@@ -145,8 +145,7 @@ def page_scores_pallas(q, kmin, kmax, block_table, lengths, *, page_size, logica
   full = lambda shape: pl.BlockSpec(shape, lambda i, k, j, _n=len(shape): (0,) * _n)
   params = None
   if not interpret:
-    from jax.experimental.pallas import triton as plgpu
-    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    params = triton_params(blocks.num_warps, blocks.num_stages)
   return pl.pallas_call(
       functools.partial(_kernel, logical_page_size=logical_page_size),
       grid=(b, hk, m),

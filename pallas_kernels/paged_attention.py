@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend, triton_params  # noqa: F401  (re-exported)
 
 __all__ = ["BACKENDS", "resolve_backend", "paged_decode_partials", "PagedDecodeBlocks", "TPU_SMEM_BUDGET_BYTES"]
 
@@ -226,6 +226,5 @@ def paged_decode_partials(q, k_pages, v_pages, page_indices, page_numbers, lengt
 
 
 def _triton_params(blocks):
-  from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+  return triton_params(blocks.num_warps, blocks.num_stages)
 

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, resolve_backend  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, resolve_backend, triton_params  # noqa: F401  (re-exported)
 
 __all__ = [
     "BACKENDS", "resolve_backend", "aggregate_group_kernel", "AggregateBlock", "group_aggregate", "TPU_SMEM_BUDGET_BYTES",
@@ -167,7 +167,6 @@ def aggregate_group_kernel(starts, ends, src_rows, weights, words, scales, *, bi
   if resolve_backend(backend) == "mosaic":
     return _mosaic_call(starts, ends, src_rows, weights, words, scales, bits=bits,
                         signed=signed, block=block, interpret=interpret)
-  from jax.experimental.pallas import triton as plgpu
   n_pad = starts.shape[0]
   bn = block.block_nodes
   fields = 32 // bits
@@ -182,8 +181,7 @@ def aggregate_group_kernel(starts, ends, src_rows, weights, words, scales, *, bi
       out_specs=pl.BlockSpec((bn, k_pad, w_pad), lambda i: (i, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((n_pad, k_pad, w_pad), jnp.float32),
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=block.num_warps,
-                                           num_stages=block.num_stages),
+      compiler_params=triton_params(block.num_warps, block.num_stages),
       name=f"quantized_aggregate_b{bits}",
   )(starts, ends, src_rows, weights, words, scales)
 

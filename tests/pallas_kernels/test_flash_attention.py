@@ -249,3 +249,22 @@ def test_kernel_lowers_at_64_token_layout(backend):
   text = _export(backend, None, with_grad=True, seq=512, mask=mask)
   for name in ("flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkdv"):
     assert name in text, name
+
+
+def test_triton_params_quiet_only_the_pallas_triton_deprecation(monkeypatch):
+  """Every Pallas-Triton kernel's launch parameters come from backend.triton_params, which files
+  away JAX 0.11's "Triton backend is deprecated" warning raised inside JAX's Pallas-Triton
+  modules, and nothing else."""
+  import warnings
+
+  from pallas_kernels import backend
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    monkeypatch.setattr(backend, "_QUIETED", False)
+    params = backend.triton_params(8, 3)
+    assert (params.num_warps, params.num_stages) == (8, 3)
+    msg = "The Triton backend is deprecated and will be removed in a future version of JAX."
+    warnings.warn_explicit(msg, DeprecationWarning, "lowering.py", 1, module="jax._src.pallas.triton.lowering")
+    warnings.warn_explicit(msg, DeprecationWarning, "mine.py", 1, module="mine")
+    warnings.warn_explicit("other", DeprecationWarning, "lowering.py", 2, module="jax._src.pallas.triton.lowering")
+  assert [str(w.message) for w in seen] == [msg, "other"]
