@@ -167,7 +167,9 @@ def _register_forwarded(sub) -> None:
 
 def _register_pretrained(sub) -> None:
   from jaxsys.models.pretrained import register_cli  # stdlib-only at import time
+  from jaxsys.serving import chat_cli  # the same
   register_cli(sub)
+  chat_cli.register_cli(sub)
 
 
 #: Functions ``register(subparsers)`` that add the ``jaxsys`` subcommands, in ``--help`` order.

@@ -66,7 +66,8 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_one_of
-from jaxsys.core.mesh import logical_sharding, on_auto_axes
+from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exported: the loop's building blocks)
+from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
 
 __all__ = [
     "apply_optax", "causal_lm_loss", "init_health", "make_loop_step", "make_optimizer",
@@ -105,6 +106,10 @@ class TrainConfig:
   on_nonfinite: str = "raise"  # "raise" | "skip" (see the module docstring)
   # "adamw", or "sgd": SGD with momentum b1 and decoupled weight decay (the detectors' optimizer)
   optimizer: str = "adamw"
+  # how parameters and optimizer state lie on train()'s mesh: "tp" (heads / mlp / vocab over
+  # "model", replicated over "data") or "fsdp" (also each parameter's embed axis over "data");
+  # jaxsys.core.mesh.RULE_SETS. The math is the same either way.
+  rules: str = "tp"
 
   def __post_init__(self):
     for name in ("total_steps", "accum_steps", "log_every"):
@@ -118,6 +123,7 @@ class TrainConfig:
     if self.max_to_keep < 1:
       raise ConfigError(f"max_to_keep={self.max_to_keep} must be >= 1")
     check_one_of("optimizer", self.optimizer, OPTIMIZERS)
+    check_one_of("rules", self.rules, tuple(RULE_SETS))
     check_one_of("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
 
 
@@ -189,61 +195,6 @@ def init_health(step: int) -> dict:
   grad norm, and ``nonfinite`` (how many updates were non-finite)."""
   return {"step": jnp.int32(step), "first_bad": jnp.int32(-1), "nonfinite": jnp.int32(0),
           "bad_loss": jnp.float32(0), "bad_grad_norm": jnp.float32(0)}
-
-
-def apply_optax(tx: optax.GradientTransformation, grads, opt_state, params):
-  """The optax part of every step: ``(params, opt_state)`` after one update of ``tx``."""
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state
-
-
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, graphdef=None,
-                    has_aux: bool = False, jit: bool = True, static_argnums: tuple[int, ...] = (),
-                    donate: bool = False) -> Callable:
-  """One optax step on ``loss_fn``: the shared building block of the library's training loops.
-
-  Pure parameters (``graphdef=None``): ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``
-  with ``has_aux``) and ``step(params, opt_state, *args) -> (params, opt_state, loss, aux)``.
-
-  NNX model (``graphdef`` from ``nnx.split(model, nnx.Param, ...)``): ``loss_fn(model, *args)``
-  on ``model = nnx.merge(graphdef, params, rest)`` and
-  ``step(params, opt_state, rest, *args) -> (params, opt_state, loss, aux, rest)``: gradients
-  are taken w.r.t. the ``nnx.Param`` state only, and the returned ``rest`` is the model's
-  non-parameter state after the forward pass (advanced RNG counters, ...); pass it back in to
-  carry it, or pass the old one to reuse it.
-
-  ``aux`` is None without ``has_aux``. ``static_argnums`` index ``args``; ``jit=False`` returns
-  the plain function (to call inside another traced program, e.g. a ``lax.scan`` body);
-  ``donate`` donates ``params`` and ``opt_state`` to the jitted step.
-  """
-  if graphdef is None:
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-
-    def step(params, opt_state, *args):
-      out, grads = grad_fn(params, *args)
-      loss, aux = out if has_aux else (out, None)
-      params, opt_state = apply_optax(tx, grads, opt_state, params)
-      return params, opt_state, loss, aux
-    offset = 2
-  else:
-    def model_loss(params, rest, *args):
-      # Fresh Variables at this trace level: the forward may update them (RNG counters).
-      model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-      out = loss_fn(model, *args)
-      loss, aux = out if has_aux else (out, None)
-      return loss, (aux, nnx.split(model, nnx.Param, ...)[2])
-
-    grad_fn = jax.value_and_grad(model_loss, has_aux=True)
-
-    def step(params, opt_state, rest, *args):
-      (loss, (aux, rest)), grads = grad_fn(params, rest, *args)
-      params, opt_state = apply_optax(tx, grads, opt_state, params)
-      return params, opt_state, loss, aux, rest
-    offset = 3
-  if not jit:
-    return step
-  return jax.jit(step, static_argnums=tuple(offset + i for i in static_argnums),
-                 donate_argnums=(0, 1) if donate else ())
 
 
 def make_loop_step(graphdef, template, tx, loss_fn, accum: int, on_nonfinite: str = "raise"):
@@ -408,7 +359,7 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
                       f"which are not among {MATH_FIELDS}")
   graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
   if mesh is not None:
-    specs = nnx.to_pure_dict(param_specs(model, mesh))
+    specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules))
     params = jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
                           nnx.to_pure_dict(params_state), specs)
   else:

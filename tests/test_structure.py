@@ -185,3 +185,66 @@ def test_every_checkpoint_goes_through_the_verified_checkpointer():
   offenders += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "experiments").rglob("*.py"))
                 if raw.search(p.read_text())]
   assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------- import direction
+
+# DESIGN's layer order, bottom to top (a module imports its own package or a lower rank, at module
+# level and inside functions alike). Two refinements of DESIGN's levels, where the code's one
+# dependency between peers runs one way only: quant < ops < graphs, vision (ops' quantized
+# aggregation reads quant's packed-feature format; graphs validate ids with ops' checks), and
+# nerf < data (the scene renderer uses nerf's pinhole camera).
+LAYER_RANK = {"_lazy": -1, "core": 0, "quant": 0.5, "ops": 1, "graphs": 1.5, "vision": 1.5, "nerf": 2,
+              "parallel": 2, "data": 2.5, "nn": 3, "train": 4, "models": 5, "decoding": 6, "eval": 6,
+              "serving": 7, "speculative": 7, "rl": 8, "experiments": 9, "cli": 10}
+BESIDE = {"cluster": ("core", "train", "_lazy")}   # beside the stack: imports only these
+
+
+def _layer(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[1] if parts[0] == "jaxsys" and len(parts) > 1 else None
+
+
+def upward_imports(rel: str, tree: ast.AST) -> list[tuple[int, str]]:
+  """``(line, "a -> b")`` for each import in ``jaxsys/<a>/...`` of a package it may not use."""
+  me = rel.split("/")[1].removesuffix(".py")
+  if me == "__init__":
+    return []
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      mods = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      mods = [node.module] + [f"jaxsys.{a.name}" for a in node.names if node.module == "jaxsys"]
+    else:
+      continue
+    for m in mods:
+      other = _layer(m)
+      if other is None or other == me:
+        continue
+      if me in BESIDE:
+        ok = other in BESIDE[me]
+      elif other in BESIDE:
+        ok = LAYER_RANK.get(me, -1) >= LAYER_RANK["experiments"]
+      else:
+        ok = LAYER_RANK[other] < LAYER_RANK[me]
+      if not ok:
+        found.append((node.lineno, f"{me} -> {m}"))
+  return sorted(found)
+
+
+def test_imports_run_down_the_layers():
+  bad = [f"{rel}:{line} {what}" for rel, tree in _sources("jaxsys") for line, what in upward_imports(rel, tree)]
+  assert not bad, "imports against DESIGN's layer order:\n" + "\n".join(bad)
+
+
+def test_import_direction_detector():
+  src = ast.parse("from jaxsys.serving import x\n"
+                  "def f():\n  import jaxsys.speculative.tree\n  from jaxsys.core import errors\n"
+                  "from jaxsys import rl\n")
+  assert upward_imports("jaxsys/decoding/cache.py", src) == [
+      (1, "decoding -> jaxsys.serving"), (3, "decoding -> jaxsys.speculative.tree"), (5, "decoding -> jaxsys.rl")]
+  assert upward_imports("jaxsys/cluster/sim.py", ast.parse("from jaxsys.train import x\nimport jaxsys.ops\n")) == [
+      (2, "cluster -> jaxsys.ops")]
+  assert set(LAYER_RANK) | set(BESIDE) >= {p.name.removesuffix(".py") for p in (ROOT / "jaxsys").iterdir()
+                                           if p.name not in ("__init__.py", "__pycache__", "py.typed", "assets")}

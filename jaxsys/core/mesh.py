@@ -37,7 +37,7 @@ from jaxsys.core.errors import ConfigError
 __all__ = [
     "auto_mesh", "axes_of_type", "DEFAULT_RULES", "explicit_axes", "hint", "logical_sharding",
     "logical_to_spec", "make_mesh", "MESH_AXES", "on_auto_axes", "place", "program_mesh",
-    "shard_logically",
+    "RULE_SETS", "rules_for", "shard_logically",
 ]
 
 # Logical axis -> mesh axes. A tuple shards over several mesh axes (major to minor); None
@@ -58,6 +58,33 @@ DEFAULT_RULES: dict[str, tuple[str, ...] | str | None] = {
 }
 
 MESH_AXES = ("data", "ring", "ulysses", "model", "graph")
+
+#: Named rule sets for parameters (activations always follow :data:`DEFAULT_RULES`):
+#:
+#: * ``"tp"``: tensor parallelism only: heads, kv heads, mlp and vocab over "model"; everything
+#:   else (and the optimizer state beside it) replicated over "data".
+#: * ``"fsdp"``: the same, plus every parameter's "embed" axis over "data" (ZeRO-3 / FSDP as
+#:   levanter and maxtext map it): parameters and optimizer state shrink as 1 / (data x model)
+#:   per device, and the compiler gathers each layer's weights where they are used (Auto axes).
+#:   On a mesh without "model" it is pure FSDP.
+RULE_SETS: dict[str, dict] = {
+    "tp": DEFAULT_RULES,
+    "fsdp": {**DEFAULT_RULES, "embed": "data"},
+}
+
+
+def rules_for(rules) -> Mapping:
+  """A rules table from a :data:`RULE_SETS` name, a mapping (returned as is) or None (``"tp"``)."""
+  if rules is None:
+    return DEFAULT_RULES
+  if isinstance(rules, str):
+    if rules not in RULE_SETS:
+      raise ConfigError(f"rules={rules!r} must be one of {sorted(RULE_SETS)} or a mapping "
+                        "logical axis -> mesh axes")
+    return RULE_SETS[rules]
+  if not isinstance(rules, Mapping):
+    raise ConfigError(f"rules must be a name ({sorted(RULE_SETS)}) or a mapping, got {type(rules).__name__}")
+  return rules
 
 
 def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
@@ -93,7 +120,7 @@ def logical_to_spec(logical: Sequence[str | None], mesh: Mesh | None = None,
   A mesh axis is used at most once; a later logical axis that maps to an already used mesh
   axis is replicated instead (so ("heads", "kv_heads") both wanting "model" stays valid).
   """
-  rules = DEFAULT_RULES if rules is None else rules
+  rules = rules_for(rules)
   present = set(mesh.axis_names) if mesh is not None else set(MESH_AXES)
   used: set[str] = set()
   spec = []

@@ -190,7 +190,7 @@ class TreeCache:
   def attend(self, layer: int, attn, q, k, v):
     from jaxsys.nn.attention import decode_attention
     from jaxsys.ops import attention
-    from jaxsys.speculative.tree import TreeMask
+    from jaxsys.ops.masks import TreeMask
     if attn.sliding_window is not None:
       raise NotImplementedError("tree attention over sliding-window layers is not supported")
     kv = self.kv.write(layer, k, v, self.write_start)

@@ -25,26 +25,12 @@ import io
 import numpy as np
 
 from jaxsys.core.errors import InputError
-from jaxsys.vision.boxes import check_boxes
+from jaxsys.vision.boxes import check_boxes, from_batch  # noqa: F401  (from_batch: re-exported)
 
 __all__ = ["coco_ap", "duplicate_rate", "from_batch", "IOU_THRESHOLDS", "pycocotools_ap", "RECALL_POINTS"]
 
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)
 RECALL_POINTS = np.linspace(0.0, 1.0, 101)
-
-
-def from_batch(boxes, scores, labels, valid):
-  """Padded ``[B, K, ...]`` arrays (+ ``valid [B, K]``) -> a per-image list of tuples; pass
-  ``scores=None`` for ground truths."""
-  boxes, labels, valid = np.asarray(boxes), np.asarray(labels), np.asarray(valid, bool)
-  out = []
-  for i in range(len(boxes)):
-    m = valid[i]
-    if scores is None:
-      out.append((boxes[i][m], labels[i][m]))
-    else:
-      out.append((boxes[i][m], np.asarray(scores)[i][m], labels[i][m]))
-  return out
 
 
 def _np_iou(a, b):

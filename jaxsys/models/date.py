@@ -289,7 +289,7 @@ def make_detect_fn(graphdef, *, branch: str = "o2o", nms_iou: float | None = Non
 def predict_dataset(detect_fn, params, rest, images, *, batch_size: int = 64):
   """Runs ``detect_fn`` over ``images`` in batches (the last one padded) -> per-image
   ``(boxes, scores, labels)`` numpy tuples for ``jaxsys.eval.detection``."""
-  from jaxsys.eval.detection import from_batch
+  from jaxsys.vision.boxes import from_batch
   out = []
   for i in range(0, len(images), batch_size):
     x = images[i:i + batch_size]

@@ -13,6 +13,7 @@ activations are constrained by logical name through :func:`constrain`, so one ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -20,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.core.mesh import hint, logical_to_spec
+from jaxsys.core.mesh import explicit_axes, hint, logical_to_spec
 
 __all__ = [
     "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
-    "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "SwiGLU",
+    "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "SwiGLU", "take_rows",
 ]
 
 
@@ -41,6 +42,23 @@ def constrain(x, logical: Sequence[str | None], rules=None):
   return hint(x, logical_to_spec(logical, mesh, rules), mesh)
 
 
+def take_rows(table, ids):
+  """``table[ids]``: rows ``[*ids.shape, dim]`` of a ``[rows, dim]`` table, on any mesh.
+
+  On Explicit axes a gather must name its output sharding (JAX cannot choose between gathering
+  the table and resharding the ids): the rows come out sharded like ``ids`` with ``dim``
+  replicated, whatever shards the table (a vocab-sharded embedding is gathered by XLA's
+  collectives). Elsewhere it is ``jnp.take``."""
+  t_sharding, i_sharding = jax.typeof(table).sharding, jax.typeof(ids).sharding
+  meshes = [s.mesh for s in (t_sharding, i_sharding) if s is not None and explicit_axes(s.mesh)]
+  if not meshes:
+    return jnp.take(table, ids, axis=0)
+  ids_spec = tuple(i_sharding.spec) + (None,) * (ids.ndim - len(i_sharding.spec)) if explicit_axes(
+      i_sharding.mesh) else (None,) * ids.ndim
+  out = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec(*ids_spec, None))
+  return table.at[ids].get(out_sharding=out, mode="clip")
+
+
 def param(rngs: nnx.Rngs, shape, logical, *, init="normal", std=0.02, dtype=jnp.float32):
   """A ``nnx.Param`` with ``logical_axes`` metadata; ``init`` is "normal", "zeros" or "ones"."""
   if init == "normal":
@@ -54,21 +72,41 @@ def param(rngs: nnx.Rngs, shape, logical, *, init="normal", std=0.02, dtype=jnp.
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical))
 
 
-def param_specs(module: nnx.Module, mesh, rules=None):
-  """``PartitionSpec`` tree (same structure as ``nnx.state(module, nnx.Param)``) from metadata."""
+def param_specs(module: nnx.Module, mesh, rules=None, *, replicate_indivisible: bool = False):
+  """``PartitionSpec`` tree (same structure as ``nnx.state(module, nnx.Param)``) from metadata.
+
+  ``rules``: a rules table or a :data:`jaxsys.core.mesh.RULE_SETS` name ("tp", "fsdp"). A
+  parameter dimension that its mesh axes do not divide raises ``ConfigError`` naming the
+  parameter, its logical axis and the sizes; ``replicate_indivisible=True`` replicates that
+  dimension instead (e.g. 2 kv heads on ``model=4``: each device then holds both heads)."""
   state = nnx.state(module, nnx.Param)
 
-  def spec(var):
+  def spec(path, var):
     names = var.get_metadata().get("logical_axes")
-    return logical_to_spec(names, mesh, rules) if names else jax.sharding.PartitionSpec()
+    if not names:
+      return jax.sharding.PartitionSpec()
+    entries = list(logical_to_spec(names, mesh, rules))
+    for i, entry in enumerate(entries):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      ways = math.prod(mesh.shape[a] for a in axes)
+      if var.get_value().shape[i] % ways:
+        if not replicate_indivisible:
+          name = "/".join(str(getattr(k, "key", k)) for k in path)
+          raise ConfigError(
+              f"parameter {name} dimension {i} ({names[i]!r}, size {var.get_value().shape[i]}) does not "
+              f"divide mesh axes {axes} of size {ways} (mesh {dict(mesh.shape)}); use a mesh "
+              "whose axes divide it, or replicate_indivisible=True to replicate it")
+        entries[i] = None
+    return jax.sharding.PartitionSpec(*entries)
 
-  return jax.tree.map(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  return jax.tree_util.tree_map_with_path(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def shard_params(module: nnx.Module, mesh, rules=None):
-  """Places every parameter of ``module`` on ``mesh`` by its logical axes (in place)."""
+def shard_params(module: nnx.Module, mesh, rules=None, *, replicate_indivisible: bool = False):
+  """Places every parameter of ``module`` on ``mesh`` by its logical axes (in place); ``rules``
+  and ``replicate_indivisible`` as :func:`param_specs`."""
   state = nnx.state(module, nnx.Param)
-  specs = param_specs(module, mesh, rules)
+  specs = param_specs(module, mesh, rules, replicate_indivisible=replicate_indivisible)
   shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
   nnx.update(module, jax.device_put(state, shardings))
   return module
@@ -228,7 +266,7 @@ class Embed(nnx.Module):
     if self.packed is not None:
       out = self.packed.rows_at(tokens).astype(self.dtype)
     else:
-      out = jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)  # [batch, seq, embed]
+      out = take_rows(self.weight[...], tokens).astype(self.dtype)  # [batch, seq, embed]
     return constrain(out, ("batch", "seq", "embed"))
 
   def attend(self, h):

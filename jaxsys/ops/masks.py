@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.core.errors import ConfigError, ShapeError, check_min
 
-__all__ = ["And", "BlockSparse", "Causal", "Full", "Local", "Mask", "MultiHead", "Or", "Sink"]
+__all__ = ["And", "BlockSparse", "Causal", "Full", "Local", "Mask", "MultiHead", "Or", "Sink", "TreeMask"]
 
 
 #: Default compute tile of the XLA backend, and the finest tile a structured mask asks for.
@@ -253,3 +254,24 @@ class BlockSparse(Mask):
     if self.token_mask is not None:
       out = out & self.token_mask.visible(q_idx, q_pos, k_idx, head)
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeMask(Mask):
+  """Prefix + tree visibility for ONE sequence (vmap over the batch): speculative decoding's
+  draft tree over a cached prefix (``jaxsys.speculative.tree`` builds the trees).
+
+  Key ``j`` is visible to query row ``i`` iff ``j < prefix_len`` or
+  ``tree_start <= j < tree_start + K`` and ``tree_vis[i, j - tree_start]``; query row ``i`` is
+  tree node ``i``. ``prefix_len`` / ``tree_start`` may be traced scalars.
+  """
+  tree_vis: Any   # bool [T_q, K]
+  prefix_len: Any
+  tree_start: Any
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    tq, tk = self.tree_vis.shape
+    rel = k_idx - self.tree_start
+    in_tree = (rel >= 0) & (rel < tk)
+    tv = self.tree_vis[jnp.clip(q_idx, 0, tq - 1), jnp.clip(rel, 0, tk - 1)]
+    return (k_idx < self.prefix_len) | (in_tree & tv)

@@ -40,7 +40,7 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import explicit_axes, place, program_mesh
 from jaxsys.graphs.dataset import NodeDataset, degrees
 from jaxsys.graphs.partition import metis_partition
-from jaxsys.nn.graph import GraphInputs
+from jaxsys.graphs.inputs import GraphInputs
 from jaxsys.ops.graph_attn import sparse_graph_attention
 
 __all__ = [
@@ -268,7 +268,7 @@ def make_graph_parallel_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx,
   """A jitted ``step(graphdef, params, rest, opt_state, (labels, mask), dense_step)`` ->
   ``(params, opt_state, loss)`` training a ``GraphTransformer`` whose forward runs under
   ``shard_map`` (graph arrays are passed as arguments, not constants)."""
-  from jaxsys.train import apply_optax
+  from jaxsys.core.step import apply_optax
   arrays = plan_arrays(plan, mesh, axis)
 
   def step(graphdef, params, rest, opt_state, batch, dense_step):

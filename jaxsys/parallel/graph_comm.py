@@ -41,7 +41,7 @@ from jaxsys.core.mesh import place, program_mesh
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
 from jaxsys.quant.random import hash_dropout
-from jaxsys.train import apply_optax, make_train_step
+from jaxsys.core.step import apply_optax, make_train_step
 
 __all__ = [
     "all_to_all_operand_bytes", "build_partition_plan", "check_partition", "gcn_layer", "init_gcn_params",

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.train import make_train_step
+from jaxsys.core.step import make_train_step
 
 __all__ = [
     "bitops", "cyclic_shuffle", "grouped_conv3x3", "load_digits_split", "lsq_quantize", "PalQuantConfig",

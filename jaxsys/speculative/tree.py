@@ -18,13 +18,12 @@ are listed before children), the kept set is always a connected tree.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxsys.ops import masks as masks_lib
+from jaxsys.ops.masks import TreeMask  # noqa: F401  (defined in ops: the decoding core uses it too)
 
 __all__ = [
     "ancestor_matrix", "chain_tree", "children_table", "select_tree", "Tree", "tree_positions", "TreeMask",
@@ -88,26 +87,6 @@ def select_tree(root, cand_tokens, cand_parents, cand_scores, cand_q, num_nodes:
   vis, depth = ancestor_matrix(parents, max_depth)
   q = jnp.concatenate([jnp.zeros_like(cand_q[:1]), cand_q[keep]], axis=0)
   return Tree(tokens, parents, depth, vis, q)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TreeMask(masks_lib.Mask):
-  """Prefix + tree visibility for ONE sequence (vmap over the batch).
-
-  Key ``j`` is visible to query row ``i`` iff ``j < prefix_len`` or
-  ``tree_start <= j < tree_start + K`` and ``tree_vis[i, j - tree_start]``; query row ``i`` is
-  tree node ``i``. ``prefix_len`` / ``tree_start`` may be traced scalars.
-  """
-  tree_vis: Any   # bool [T_q, K]
-  prefix_len: Any
-  tree_start: Any
-
-  def visible(self, q_idx, q_pos, k_idx, head=None):
-    tq, tk = self.tree_vis.shape
-    rel = k_idx - self.tree_start
-    in_tree = (rel >= 0) & (rel < tk)
-    tv = self.tree_vis[jnp.clip(q_idx, 0, tq - 1), jnp.clip(rel, 0, tk - 1)]
-    return (k_idx < self.prefix_len) | (in_tree & tv)
 
 
 def tree_positions(depth, length):

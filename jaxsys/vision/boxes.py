@@ -20,7 +20,7 @@ import numpy as np
 from jaxsys.core.errors import InputError, ShapeError
 
 __all__ = [
-    "box_area", "check_boxes", "cxcywh_to_xyxy", "EPS", "giou", "iou", "nms", "pairwise_giou",
+    "box_area", "check_boxes", "cxcywh_to_xyxy", "EPS", "from_batch", "giou", "iou", "nms", "pairwise_giou",
     "pairwise_iou", "xyxy_to_cxcywh",
 ]
 
@@ -114,3 +114,17 @@ def nms(boxes, scores, iou_threshold: float, *, labels=None, valid=None):
 
   keep_sorted = jax.lax.fori_loop(0, n, body, valid[order])
   return jnp.zeros((n,), bool).at[order].set(keep_sorted)
+
+
+def from_batch(boxes, scores, labels, valid):
+  """Padded ``[B, K, ...]`` arrays (+ ``valid [B, K]``) -> a per-image list of tuples; pass
+  ``scores=None`` for ground truths."""
+  boxes, labels, valid = np.asarray(boxes), np.asarray(labels), np.asarray(valid, bool)
+  out = []
+  for i in range(len(boxes)):
+    m = valid[i]
+    if scores is None:
+      out.append((boxes[i][m], labels[i][m]))
+    else:
+      out.append((boxes[i][m], np.asarray(scores)[i][m], labels[i][m]))
+  return out

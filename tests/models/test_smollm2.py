@@ -146,13 +146,15 @@ def test_text_in_text_out(smol, monkeypatch, capsys):
     generate(model, [[{"role": "user"}]], tokenizer=tok, max_new_tokens=4)
   with pytest.raises(ConfigError, match="stop strings need a tokenizer"):
     generate(model, ids, max_new_tokens=4, stop=["x"])
-  # The commands stream the reply to stdout.
-  monkeypatch.setattr(P, "load_pretrained", lambda name, dtype=None: (model, tok))
-  assert P.main(["generate", "--model", NAME, CHAT_PROMPTS[0], "--max-new-tokens", "64"]) == 0
+  # The commands (jaxsys generate / jaxsys chat) stream the reply to stdout.
+  from jaxsys.cli import main as cli
+  from jaxsys.serving import chat_cli
+  monkeypatch.setattr(chat_cli, "load_pretrained", lambda name, dtype=None: (model, tok))
+  assert cli(["generate", "--model", NAME, CHAT_PROMPTS[0], "--max-new-tokens", "64"]) == 0
   assert capsys.readouterr().out.strip() == "The capital of France is Paris."
   lines = iter([CHAT_PROMPTS[0], ""])
   monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-  assert P.main(["chat", "--model", NAME, "--max-new-tokens", "64"]) == 0
+  assert cli(["chat", "--model", NAME, "--max-new-tokens", "64"]) == 0
   assert capsys.readouterr().out.strip() == "The capital of France is Paris."
 
 
@@ -257,11 +259,14 @@ def test_fetch_downloads_unzips_and_verifies(tmp_path, monkeypatch):
 
 def test_command_line(tmp_path, monkeypatch, capsys):
   import argparse
+  from jaxsys.serving import chat_cli
   parser = argparse.ArgumentParser()
-  P.register_cli(parser.add_subparsers(dest="command"))
+  sub = parser.add_subparsers(dest="command")
+  P.register_cli(sub)
+  chat_cli.register_cli(sub)
   args = parser.parse_args(["fetch", NAME, "--force"])
   assert args.force and args.fn is P._cmd_fetch
-  assert parser.parse_args(["generate", NAME, "hi", "--max-new-tokens", "8"]).fn is P._cmd_generate
+  assert parser.parse_args(["generate", NAME, "hi", "--max-new-tokens", "8"]).fn is chat_cli._cmd_generate
   monkeypatch.setattr(P, "fetch", lambda name, force=False: tmp_path / "x.gguf")
   assert P.main(["fetch", NAME]) == 0
   assert capsys.readouterr().out.strip() == str(tmp_path / "x.gguf")
