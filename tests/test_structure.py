@@ -248,3 +248,20 @@ def test_import_direction_detector():
       (2, "cluster -> jaxsys.ops")]
   assert set(LAYER_RANK) | set(BESIDE) >= {p.name.removesuffix(".py") for p in (ROOT / "jaxsys").iterdir()
                                            if p.name not in ("__init__.py", "__pycache__", "py.typed", "assets")}
+
+
+def test_one_sampling_filter():
+  """Top-p needs a cumulative sum over sorted probabilities: only the one filter
+  (``jaxsys.decoding.sampling._filter``) computes one among the packages that sample."""
+  sampling = "jaxsys/decoding/sampling.py"
+  found = []
+  for rel, tree in _sources("jaxsys"):
+    if rel.split("/")[1] not in ("decoding", "serving", "speculative", "rl", "models") or rel == sampling:
+      continue
+    found += [f"{rel}:{n.lineno}" for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and n.attr == "cumsum"]
+  assert not found, "a second top-p filter:\n" + "\n".join(found)
+  tree = ast.parse((ROOT / sampling).read_text())
+  owners = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+            and any(isinstance(n, ast.Attribute) and n.attr == "cumsum" for n in ast.walk(f))]
+  assert owners == ["_filter"], owners

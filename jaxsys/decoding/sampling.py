@@ -85,25 +85,41 @@ def filtered_logits(logits, params: SamplingParams):
                  params.min_p or None)
 
 
-def _filter(logits, temperature, top_k: int, top_p, min_p=None):
-  """``top_k`` static (0: off); ``temperature``, ``top_p`` and ``min_p`` (None: off) may be traced."""
+def _filter(logits, temperature, top_k, top_p, min_p=None):
+  """The one sampling filter (every path samples through it): temperature, then top-k, top-p and
+  min-p, as ``SamplingParams`` defines them. ``logits float32[..., vocab]``.
+
+  ``temperature``, ``top_p`` and ``min_p`` are None (off; not temperature) or scalars / arrays
+  broadcasting against ``logits[..., :1]``, traced or not (``top_p >= 1`` and ``min_p <= 0`` are
+  off per row). ``top_k`` is a static int (0: off) or an int array like the others (0 per row:
+  off). A static ``top_k`` without ``top_p`` is one ``lax.top_k``; otherwise one descending sort
+  of each row serves both top-k and top-p: top-p keeps the smallest prefix whose mass reaches
+  ``top_p`` (the token that crosses it stays, so at least one token survives), and tokens tied
+  at a threshold all stay."""
   x = logits.astype(jnp.float32) / temperature
   vocab = x.shape[-1]
-  if top_k and top_k < vocab:
-    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
-    x = jnp.where(x < kth, -jnp.inf, x)
-  if top_p is not None:
-    # Keep the smallest prefix of tokens (by probability) whose mass reaches top_p; the token
-    # that crosses the threshold is kept (so at least one token always survives).
-    order = jnp.argsort(-x, axis=-1)
-    sorted_x = jnp.take_along_axis(x, order, axis=-1)
-    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
-    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep_sorted = mass_before < top_p
-    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-    x = jnp.where(keep, x, -jnp.inf)
+  static_k = isinstance(top_k, int)
+  if static_k and top_p is None:
+    if top_k and top_k < vocab:
+      kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+      x = jnp.where(x < kth, -jnp.inf, x)
+  else:
+    desc = -jnp.sort(-x, axis=-1)                                     # [..., vocab]
+    if static_k:
+      k = jnp.full(x.shape[:-1] + (1,), min(top_k, vocab) if top_k else vocab)
+    else:
+      k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+      k = jnp.broadcast_to(k, x.shape[:-1] + (1,))
+    rank = jnp.arange(vocab)
+    desc = jnp.where(rank < k, desc, -jnp.inf)                         # top-k on the sorted row
+    x = jnp.where(x < jnp.take_along_axis(desc, k - 1, axis=-1), -jnp.inf, x)
+    if top_p is not None:
+      p = jax.nn.softmax(desc, axis=-1)
+      keep = ((jnp.cumsum(p, axis=-1) - p) < top_p) | (top_p >= 1.0)
+      last = jnp.sum(keep, axis=-1, keepdims=True) - 1
+      x = jnp.where(x < jnp.take_along_axis(desc, last, axis=-1), -jnp.inf, x)
   if min_p is not None:
-    x = _min_p(x, min_p)
+    x = jnp.where(jnp.asarray(min_p) > 0, _min_p(x, min_p), x)
   return x
 
 
@@ -160,26 +176,12 @@ def sample_probs(key, probs):
 def sample_rows(keys, logits, temperature, top_k, top_p, min_p):
   """Per-row sampling: row ``i`` of ``logits float32[b, vocab]`` is drawn with ``keys[i]`` from the
   distribution of ``SamplingParams(temperature[i], top_k[i], top_p[i], min_p=min_p[i])`` (all
-  parameters traced ``[b]`` arrays; ``temperature[i] == 0`` is greedy). Returns ``int32[b]``.
-
-  The filters run in :func:`filtered_logits`' order (temperature, top-k, top-p, min-p) on one
-  descending sort of each row; a row's draw depends only on its own key and logits, so a request
-  samples the same tokens whichever other requests share its batch.
-  """
-  x = logits.astype(jnp.float32)
-  vocab = x.shape[-1]
+  parameters traced ``[b]`` arrays; ``temperature[i] == 0`` is greedy) through the one filter,
+  :func:`_filter`. Returns ``int32[b]``. A row's draw depends only on its own key and logits, so
+  a request samples the same tokens whichever other requests share its batch."""
   greedy = temperature <= 0
-  x = x / jnp.where(greedy, 1.0, temperature)[:, None]
-  desc = -jnp.sort(-x, axis=-1)  # [b, vocab]
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  rank = jnp.arange(vocab)[None, :]
-  desc = jnp.where(rank < k[:, None], desc, -jnp.inf)  # top-k (ties at the k-th value all stay)
-  x = jnp.where(x < jnp.take_along_axis(desc, k[:, None] - 1, axis=-1), -jnp.inf, x)
-  p = jax.nn.softmax(desc, axis=-1)
-  keep = ((jnp.cumsum(p, axis=-1) - p) < top_p[:, None]) | (top_p >= 1.0)[:, None]  # crossing token stays
-  last = jnp.sum(keep, axis=-1, keepdims=True) - 1
-  x = jnp.where(x < jnp.take_along_axis(desc, last, axis=-1), -jnp.inf, x)
-  x = jnp.where((min_p > 0)[:, None], _min_p(x, min_p[:, None]), x)
+  col = lambda a: jnp.asarray(a)[:, None]  # noqa: E731  ([b] -> [b, 1], against [b, vocab])
+  x = _filter(logits, col(jnp.where(greedy, 1.0, temperature)), col(top_k), col(top_p), col(min_p))
   drawn = jax.vmap(lambda kk, row: jax.random.categorical(kk, row))(keys, x)
   return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
 

@@ -42,3 +42,22 @@ def test_min_p_and_logprobs():
   chosen, ids, top = token_logprobs(x, jnp.asarray([2]), 2)
   np.testing.assert_allclose(chosen, np.log([0.15]), rtol=1e-5)
   assert ids.tolist() == [[0, 1]] and np.allclose(top, np.log([[0.5, 0.3]]), rtol=1e-5)
+
+
+def test_rows_and_scalars_share_one_filter():
+  """sample_rows' per-row parameters and SamplingParams' scalars give the same filtered logits
+  (one filter, _filter), for every combination of top-k, top-p and min-p."""
+  import itertools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxsys.decoding import sampling as S
+  logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+  for t, k, p, m in itertools.product((0.7, 1.3), (0, 5), (1.0, 0.8), (0.0, 0.1)):
+    ref = S.filtered_logits(logits, S.SamplingParams(t, top_k=k, top_p=p, min_p=m))
+    n = logits.shape[0]
+    rows = S._filter(logits, jnp.full((n, 1), t), jnp.full((n, 1), k), jnp.full((n, 1), p), jnp.full((n, 1), m))
+    np.testing.assert_array_equal(np.isfinite(rows), np.isfinite(ref), err_msg=str((t, k, p, m)))
+    np.testing.assert_allclose(np.where(np.isfinite(rows), rows, 0), np.where(np.isfinite(ref), ref, 0), rtol=1e-6)
