@@ -41,6 +41,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -115,8 +116,9 @@ class ServingEngine:
   """See the module docstring."""
 
   def __init__(self, model, config: ServingConfig = ServingConfig(), streaming=None, *,
-               tokenizer=None, stop_tokens=None):
+               tokenizer=None, stop_tokens=None, mesh=None):
     self.model = model
+    self.mesh = _serving_mesh(model, mesh)
     self.tokenizer = tokenizer
     self.config = config
     ls = config.lserve
@@ -135,7 +137,7 @@ class ServingEngine:
     self.selection = ls.selection
     self.max_seq_len = min(config.max_seq_len, context_length(mc))
     self.max_pages = -(-self.max_seq_len // ls.page_size)
-    self.cache = PagedKVCache(self.cache_config)
+    self.cache = PagedKVCache(self.cache_config, self.mesh)
     self._graphdef, self._params = nnx.split(model)
     self._numbers = None  # per-layer retrieval selections [slots, r_l, K]
     self._since_select = 0
@@ -155,7 +157,13 @@ class ServingEngine:
 
   def step(self) -> list[StepOutput]:
     """One iteration: the new tokens (and text) of every sequence that advanced."""
-    return self.scheduler.step()
+    with self.on_mesh():
+      return self.scheduler.step()
+
+  def on_mesh(self):
+    """The engine's mesh as the ambient one (its programs' layout hints need it); a no-op
+    without a mesh."""
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def abort(self, request_id: str) -> bool:
     """Drops a queued or running request and frees its pages (False if it is not live)."""
@@ -236,7 +244,7 @@ class ServingEngine:
       while sch.has_unfinished():
         steps, pre, dec = sch.stats["steps"], sch.stats["prefill_tokens"], sch.stats["decode_tokens"]
         t0 = time.perf_counter()
-        outs = sch.step()
+        outs = self.step()
         dt = time.perf_counter() - t0
         if sch.stats["steps"] == steps:  # nothing ran while requests wait: a bug, not a wait
           raise PoolExhaustedError("the engine is idle but cannot admit the next request")
@@ -311,6 +319,27 @@ def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positio
   logits = model.logits(h)[:, 0]  # [slots, vocab]
   drawn = None if ints is None else draw(logits[ints[0]], ints, floats, keep_logits)
   return logits, drawn, view.state, view.numbers
+
+
+def _serving_mesh(model, mesh):
+  """The Auto twin of ``mesh`` with the model's parameters placed on it by the "tp" rules (in
+  place), or None. Serving shards over "model" only: heads, kv heads (and their cache pages), mlp
+  and vocab; every other axis must have size 1."""
+  if mesh is None:
+    return None
+  from jaxsys.core.mesh import auto_mesh  # noqa: PLC0415
+  from jaxsys.nn.layers import shard_params  # noqa: PLC0415
+  extra = {a: n for a, n in mesh.shape.items() if a != "model" and n > 1}
+  if extra:
+    raise ConfigError(f"the serving engine shards over the 'model' axis only (tensor parallelism); "
+                      f"mesh {dict(mesh.shape)} also has {extra}")
+  mesh = auto_mesh(mesh)
+  kv, tp = model.config.num_kv_heads, mesh.shape.get("model", 1)
+  if kv % tp:
+    raise ConfigError(f"num_kv_heads={kv} must be a multiple of the mesh's model={tp} axis: each "
+                      "device serves whole kv heads (and their cache pages)")
+  shard_params(model, mesh, "tp")
+  return mesh
 
 
 def _prompt_seed(seed: int, index: int) -> int:

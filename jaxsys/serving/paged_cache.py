@@ -175,13 +175,13 @@ class PagedSequence:
 class PagedKVCache:
   """Device pools + host allocators and block tables for a set of live requests."""
 
-  def __init__(self, config: PagedCacheConfig):
-    self.config = config
+  def __init__(self, config: PagedCacheConfig, mesh=None):
+    self.config, self.mesh = config, mesh
     from jaxsys.serving.prefix_cache import PrefixCachingAllocator  # noqa: PLC0415 (imports this module)
     self.alloc = PrefixCachingAllocator(config.num_pages)
     self.stream_alloc = PageAllocator(config.num_stream_pages)
     self.seqs: dict = {}
-    self.state = init_state(config)
+    self.state = init_state(config, mesh)
 
   # -- host bookkeeping ---------------------------------------------------------------------
   def pages_for(self, num_tokens: int) -> int:
@@ -238,7 +238,7 @@ class PagedKVCache:
     for rid in list(self.seqs):
       self.release(rid)
     if any(x.is_deleted() for x in jax.tree.leaves(self.state) if isinstance(x, jax.Array)):
-      self.state = init_state(self.config)
+      self.state = init_state(self.config, self.mesh)
       self.alloc.clear()
 
   def block_tables(self, rids, max_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -325,8 +325,11 @@ POOLS = ("k", "v", "sk", "sv")
 POOLS_SCALES = tuple(n + "_scale" for n in POOLS)
 
 
-def init_state(c: PagedCacheConfig) -> PagedState:
-  """Zero pools (see ``PagedState`` for the shapes); scale fields only when ``c.kv_int8``."""
+def init_state(c: PagedCacheConfig, mesh=None) -> PagedState:
+  """Zero pools (see ``PagedState`` for the shapes); scale fields only when ``c.kv_int8``. With a
+  ``mesh``, every pool's head axis (axis 1: kv heads) is sharded over its "model" axis (tensor
+  parallel serving: each device holds its own heads' pages); a pool whose head count that axis
+  does not divide (LServe's per-layer retrieval / streaming split) is replicated."""
   dt = jnp.int8 if c.kv_int8 else jnp.dtype(c.dtype)
   names = ("kmin", "kmax") + POOLS + (POOLS_SCALES if c.kv_int8 else ())
   fields: dict = {name: [] for name in names}
@@ -340,7 +343,15 @@ def init_state(c: PagedCacheConfig) -> PagedState:
     for name in ("kmin", "kmax"):
       shape = (c.num_pages, r, c.logical_per_page, c.head_dim)
       fields[name].append(jnp.zeros(shape, jnp.dtype(c.dtype)))
-  return PagedState(**{name: tuple(xs) for name, xs in fields.items()})
+  state = PagedState(**{name: tuple(xs) for name, xs in fields.items()})
+  if mesh is None:
+    return state
+  tp = mesh.shape.get("model", 1)
+
+  def place(x):
+    spec = ("model",) if x.shape[1] % tp == 0 else ()
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec)))
+  return jax.tree.map(place, state)
 
 
 def quantize_int8(x):
