@@ -18,7 +18,6 @@ import ast
 import datetime
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -78,17 +77,14 @@ def run_params(name: str) -> tuple[str, ...]:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """``"ring=2,ulysses=4"`` -> ``{"ring": 2, "ulysses": 4}`` (sizes positive integers)."""
-  axes = {}
-  for part in text.split(","):
-    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
-    if not m or int(m.group(2)) < 1:
-      raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected axis=size[,axis=size...] with sizes >= 1, "
-                                       f"e.g. ring=2,ulysses=4")
-    if m.group(1) in axes:
-      raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {m.group(1)!r} given twice")
-    axes[m.group(1)] = int(m.group(2))
-  return axes
+  """``"ring=2,ulysses=4"`` -> ``{"ring": 2, "ulysses": 4}`` (``jaxsys.core.mesh.parse_axes``, as
+  an argparse type)."""
+  from jaxsys.core.errors import ConfigError  # noqa: PLC0415
+  from jaxsys.core.mesh import parse_axes  # noqa: PLC0415
+  try:
+    return parse_axes(text)
+  except ConfigError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 MAX_SEED = 10_000  # experiments derive seeds up to ~1e5 * seed, and rollout seeds are 32-bit integers

@@ -35,7 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxsys.core.errors import ConfigError
 
 __all__ = [
-    "auto_mesh", "axes_of_type", "DEFAULT_RULES", "explicit_axes", "hint", "logical_sharding",
+    "auto_mesh", "axes_of_type", "parse_axes", "DEFAULT_RULES", "explicit_axes", "hint", "logical_sharding",
     "logical_to_spec", "make_mesh", "MESH_AXES", "on_auto_axes", "place", "program_mesh",
     "RULE_SETS", "rules_for", "shard_logically",
 ]
@@ -111,6 +111,22 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence | None = 
     raise ConfigError(f"axes={axes} need {total} devices but only {len(devices)} are available")
   grid = np.asarray(devices[:total], dtype=object).reshape(tuple(axes.values()))
   return Mesh(grid, tuple(axes))
+
+
+def parse_axes(text: str) -> dict[str, int]:
+  """``"data=4,model=2"`` -> ``{"data": 4, "model": 2}`` (the ``--mesh`` flags' syntax; sizes are
+  positive integers, each axis once); ``ConfigError`` naming the text otherwise."""
+  import re  # noqa: PLC0415
+  axes: dict[str, int] = {}
+  for part in text.split(","):
+    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
+    if not m or int(m.group(2)) < 1:
+      raise ConfigError(f"--mesh {text!r}: expected axis=size[,axis=size...] with sizes >= 1, "
+                        f"e.g. ring=2,ulysses=4")
+    if m.group(1) in axes:
+      raise ConfigError(f"--mesh {text!r}: axis {m.group(1)!r} given twice")
+    axes[m.group(1)] = int(m.group(2))
+  return axes
 
 
 def logical_to_spec(logical: Sequence[str | None], mesh: Mesh | None = None,

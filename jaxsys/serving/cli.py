@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sequences (a request counts its n) queued or running before new ones get 503")
   p.add_argument("--max-n", type=int, default=16,
                  help="largest n (choices per request) a client may ask for; more is a 400")
+  p.add_argument("--mesh", default=None, metavar="model=N",
+                 help="tensor-parallel serving over N devices (weights and KV pages by kv head); "
+                      "num_kv_heads must be a multiple of N")
   p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                  help="abort a request (and free its pages) this long after it arrives: 408, or an "
                       "error event on a stream (default: no deadline)")
@@ -168,8 +171,12 @@ def main(argv=None) -> int:
         print(f"note: gates were learned with sink={gates.sink}, window={gates.window}",
               file=sys.stderr)
       streaming = gates.streaming
+    mesh = None
+    if args.mesh:
+      from jaxsys.core.mesh import make_mesh, parse_axes  # noqa: PLC0415
+      mesh = make_mesh(parse_axes(args.mesh))
     model, tokenizer = load_model(args.model)
-    engine = ServingEngine(model, cfg, streaming=streaming, tokenizer=tokenizer)
+    engine = ServingEngine(model, cfg, streaming=streaming, tokenizer=tokenizer, mesh=mesh)
     if prompts is None:
       return _serve_http(engine, args)
     sampling = None if args.temperature is None else SamplingParams(args.temperature, top_p=args.top_p,

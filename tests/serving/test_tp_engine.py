@@ -45,3 +45,19 @@ def test_explicit_mesh_and_errors():
     _serve(make_mesh({"data": 2, "model": 2}, jax.devices()[:4]))
   with pytest.raises(ConfigError, match="num_kv_heads=4"):
     _serve(make_mesh({"model": 8}))
+
+
+def test_serve_cli_takes_a_mesh(tmp_path):
+  """``jaxsys serve --mesh model=2`` (prompt-file mode here) gives one device's greedy tokens."""
+  import json
+
+  from jaxsys.serving import cli
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("\n".join(json.dumps({"tokens": [int(t) % 100 for t in p[:12]]}) for p in PROMPTS[:3]) + "\n")
+  outs = []
+  for extra in ([], ["--mesh", "model=2"]):
+    out = tmp_path / f"out{len(extra)}.jsonl"
+    assert cli.main(["--model", "tiny", "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out),
+                     *extra]) == 0
+    outs.append([json.loads(line)["tokens"] for line in out.read_text().splitlines()])
+  assert outs[0] == outs[1]
