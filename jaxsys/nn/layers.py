@@ -25,7 +25,7 @@ from jaxsys.core.mesh import explicit_axes, hint, logical_to_spec
 
 __all__ = [
     "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
-    "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "SwiGLU", "take_rows",
+    "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "state_bytes_per_device", "SwiGLU", "take_rows",
 ]
 
 
@@ -100,6 +100,31 @@ def param_specs(module: nnx.Module, mesh, rules=None, *, replicate_indivisible: 
     return jax.sharding.PartitionSpec(*entries)
 
   return jax.tree_util.tree_map_with_path(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def state_bytes_per_device(module: nnx.Module, mesh_shape: dict[str, int], rules=None, *,
+                           optimizer_moments: int = 2, replicate_indivisible: bool = False) -> dict:
+  """Bytes per device of a training state: parameters (their dtype), gradients (the same) and
+  ``optimizer_moments`` float32 copies (AdamW: 2), each sharded as :func:`param_specs` places the
+  parameters on a mesh of ``mesh_shape`` (no devices needed: an abstract mesh). ``module`` may be
+  abstract (``nnx.eval_shape``), so an 8B model's estimate costs no memory. Activations are not
+  counted. Returns ``{"params", "grads", "optimizer", "total"}`` in bytes."""
+  mesh = jax.sharding.AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+  specs = param_specs(module, mesh, rules, replicate_indivisible=replicate_indivisible)
+  state = nnx.state(module, nnx.Param)
+  params = elems = 0
+  for var, spec in zip(jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable)),
+                       jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))):
+    value = var.get_value()
+    local = math.prod(value.shape)
+    for entry in spec:
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      local //= math.prod(mesh_shape[a] for a in axes)
+    params += local * jnp.dtype(value.dtype).itemsize
+    elems += local
+  out = {"params": params, "grads": params, "optimizer": optimizer_moments * 4 * elems}
+  out["total"] = sum(out.values())
+  return out
 
 
 def shard_params(module: nnx.Module, mesh, rules=None, *, replicate_indivisible: bool = False):

@@ -93,3 +93,31 @@ def test_indivisible_dimension_is_a_clear_error_or_replicated():
   assert model.layers[0].attn.wk[...].sharding.spec[1] is None
   with pytest.raises(ConfigError, match="rules"):
     T.TrainConfig(rules="zero")
+
+
+def test_pods_doc_memory_table_is_the_estimators():
+  """docs/pods.md's per-device memory table for 1B / 8B Llama shapes is what
+  state_bytes_per_device computes (on abstract models: nothing allocated)."""
+  import pathlib
+
+  from flax import nnx
+
+  from jaxsys.models.decoder import Decoder
+  from jaxsys.nn.layers import state_bytes_per_device
+  doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "pods.md").read_text()
+  shapes = {"1B (Llama-3.2-1B shape)": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, tie_embeddings=True),
+            "8B (Llama-3.1-8B shape)": dict(hidden_size=4096, intermediate_size=14336, num_layers=32)}
+  layouts = [({"data": 1}, "tp"), ({"data": 8}, "tp"), ({"model": 8}, "tp"), ({"data": 8}, "fsdp"),
+             ({"data": 2, "model": 4}, "fsdp")]
+  for name, kw in shapes.items():
+    cfg = M.DecoderConfig(vocab_size=128256, num_heads=32, num_kv_heads=8, param_dtype="bfloat16",
+                          dtype="bfloat16", **kw)
+    model = nnx.eval_shape(lambda cfg=cfg: Decoder(cfg, rngs=nnx.Rngs(0)))
+    for shape, rules in layouts:
+      g = {k: v / 2**30 for k, v in state_bytes_per_device(model, shape, rules).items()}
+      mesh = ",".join(f"{k}={v}" for k, v in shape.items())
+      row = (f"| {name} | {mesh} | {rules} | {g['params']:.2f} | {g['grads']:.2f} | {g['optimizer']:.2f} "
+             f"| {g['total']:.2f} |")
+      assert row in doc, row
+  one = state_bytes_per_device(M.random_model(CFG, seed=0), {"data": 1})
+  assert one["params"] == sum(x.nbytes for x in jax.tree.leaves(nnx.state(M.random_model(CFG, seed=0), nnx.Param)))
