@@ -64,9 +64,15 @@ def require_backend(op: str, platforms: tuple[str, ...] = ACCELERATORS, what: st
 class Dispatcher:
   """The implementation table of one op (see the module docstring)."""
 
-  def __init__(self, op: str, implementations: dict[str, Callable | str]):
+  def __init__(self, op: str, implementations: dict[str, Callable | str], *,
+               auto: Callable[[], tuple[str, ...]] | None = None, quiet: tuple[str, ...] = ()):
+    """``auto``: the op's own ``impl="auto"`` order (default :func:`auto_order`), for ops with a
+    specialised implementation tried first (attention's short-query decode path). ``quiet``:
+    implementations whose refusals are routine (a specialised path declining a general call)
+    and are logged at DEBUG instead of INFO."""
     self.op = op
     self._impls = dict(implementations)
+    self._auto, self._quiet = auto or auto_order, tuple(quiet)
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -97,7 +103,7 @@ class Dispatcher:
     self.check(impl)
     if impl != "auto":
       return (impl,)
-    return tuple(name for name in auto_order() if name in self._impls)
+    return tuple(name for name in self._auto() if name in self._impls)
 
   def __call__(self, impl: str, *args, **kwargs):
     reasons = {}
@@ -108,5 +114,6 @@ class Dispatcher:
       except NotImplementedError as e:
         reasons[name] = str(e)
         if i + 1 < len(order):  # once per trace: say why the next implementation serves the call
-          _log.info("%s: %s refused this call (%s); trying %s", self.op, name, e, order[i + 1])
+          level = logging.DEBUG if name in self._quiet else logging.INFO
+          _log.log(level, "%s: %s refused this call (%s); trying %s", self.op, name, e, order[i + 1])
     raise ImplementationError(self.op, reasons)

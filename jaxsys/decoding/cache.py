@@ -43,13 +43,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError, ShapeError
+# re-exported: the queries per row up to which attention's "xla_decode" path serves a cached call
+# (decode steps, draft verification); longer ones (chunked prefill) take the blockwise path
+from jaxsys.ops.attn.decode import DECODE_MAX_Q  # noqa: F401
 
 __all__ = ["DECODE_MAX_Q", "KVCache", "Prefill", "replace_at", "TreeCache", "write_rows"]
 
-#: Queries per row up to which a cached call uses ``jaxsys.nn.attention.decode_attention``
-#: (decode steps, draft verification); longer calls (chunked prefill) go through the layer's
-#: attention hook, which skips blocks by the mask's layout.
-DECODE_MAX_Q = 16
 
 
 def write_rows(buf, new, start):
@@ -138,15 +137,11 @@ class KVCache:
 
   # -- the protocol ---------------------------------------------------------------------------
   def attend(self, layer: int, attn, q, k, v):
-    from jaxsys.nn.attention import decode_attention, uses_default_xla
     s = q.shape[1]
     new = self.write(layer, k, v, self.lengths)
     kc, vc = new.layer_as(layer, q.dtype)
-    if s <= DECODE_MAX_Q and uses_default_xla(attn.attention_fn):
-      o = decode_attention(q, kc, vc, mask=attn.mask, q_offset=self.lengths,
-                           kv_lengths=self.lengths + s)
-    else:
-      o = attn.attend(q, kc, vc, q_offset=self.lengths, kv_lengths=self.lengths + s)
+    # a decode step's few queries: the dispatcher picks the short-query path ("xla_decode")
+    o = attn.attend(q, kc, vc, q_offset=self.lengths, kv_lengths=self.lengths + s)
     return o, new
 
   def advance(self, seq: int) -> "KVCache":
@@ -188,23 +183,18 @@ class TreeCache:
     self.kv.check_layers(num_layers)
 
   def attend(self, layer: int, attn, q, k, v):
-    from jaxsys.nn.attention import decode_attention
     from jaxsys.ops import attention
     from jaxsys.ops.masks import TreeMask
     if attn.sliding_window is not None:
       raise NotImplementedError("tree attention over sliding-window layers is not supported")
     kv = self.kv.write(layer, k, v, self.write_start)
     kc, vc = kv.layer_as(layer, q.dtype)
-    # A verify or draft step has a few tree tokens: the decode path reads the cache in place
-    # (through the dispatcher, the GQA layout copied the cache per layer: a SmolLM2 step at
-    # batch 8 took 54 ms against the decoding core's 32).
-    fast = q.shape[1] <= DECODE_MAX_Q and self.impl in ("auto", "xla")
+    # A verify or draft step has a few tree tokens: with impl="auto" the dispatcher serves them
+    # with the short-query path, which reads the cache in place (the blockwise GQA layout copied
+    # the cache per layer: a SmolLM2 step at batch 8 took 54 ms against the decoding core's 32).
 
     def one(qq, kk, vv, vs, pl, ts):  # one TreeMask per sequence
       mask = TreeMask(vs, pl, ts)
-      if fast:
-        return decode_attention(qq[None], kk[None], vv[None], mask=mask, q_offset=None,
-                                kv_lengths=None)[0]
       return attention(qq[None], kk[None], vv[None], mask=mask, impl=self.impl)[0]
 
     o = jax.vmap(one)(q, kc, vc, self.vis, self.prefix_len, self.tree_start)  # [b, T, heads, d]

@@ -12,9 +12,9 @@
 scale=, q_offset=, kv_lengths=); only non-None keywords are passed, so a sequence-parallel
 attention without cache support can be dropped in (``functools.partial(fn, mesh=...)``).
 
-With a contiguous cache and at most ``jaxsys.decoding.cache.DECODE_MAX_Q`` new tokens, the default
-XLA attention is replaced by :func:`decode_attention` (same math, no copy of the cache per layer
-per step).
+A cached call of a few queries (decode, a speculative tree) goes through the same
+``jaxsys.ops.attention``; its dispatcher serves it with the short-query ``"xla_decode"``
+implementation (no copy of the cache per layer per step) where that applies.
 
 GQA (Ainslie et al., 2023): query head h reads kv head ``h // (heads // kv_heads)``.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -33,7 +32,7 @@ from jaxsys.nn.layers import DecodeWeight, constrain, param
 from jaxsys.nn.rope import RopeConfig, apply_rope
 from jaxsys.ops import masks
 
-__all__ = ["Attention", "decode_attention", "default_attention_fn", "uses_default_xla"]
+__all__ = ["Attention", "default_attention_fn"]
 
 
 def default_attention_fn(impl: str = "auto") -> Callable:
@@ -150,49 +149,3 @@ class Attention(nnx.Module):
     return self.project_out(o), cache
 
 
-def uses_default_xla(fn) -> bool:
-  """True for ``default_attention_fn(impl)`` running the XLA backend (CPU auto, or "xla"), where
-  a cached call of a few queries may use :func:`decode_attention` instead (same math)."""
-  if not (isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "attention"
-          and fn.func.__module__ == "jaxsys.ops.attn.api"):
-    return False
-  impl = fn.keywords.get("impl", "auto")
-  return impl == "xla" or (impl == "auto" and jax.default_backend() == "cpu")
-
-
-def decode_attention(q, k_cache, v_cache, *, mask, q_offset, kv_lengths):
-  """Attention of a few queries over a contiguous cache, without moving the cache.
-
-  ``q [b, s, heads, d]``, caches ``[b, T, kv_heads, d]``. Batched per kv head, the usual GQA
-  contraction needs the cache as ``[b, kv_heads, T, d]``: XLA copies both caches every layer of
-  every step (as many bytes as the weights at a few thousand tokens). Here the cache is read
-  as the matrix ``[b, T, kv_heads * d]`` (a free reshape) against block-diagonal queries
-  ``[b, kv_heads * d, heads * s]`` (query head h in kv head h // g's block), so
-  ``scores [b, T, heads * s]`` is one plain matmul; ``p^T [heads * s, T] @ V [T, kv_heads * d]``
-  gives every (head, kv head) pair and the diagonal blocks are the outputs. The extra
-  ``kv_heads``-fold multiply-adds are tiny next to reading the cache. Visibility (mask, query
-  offsets, lengths) is ``jaxsys.ops.attention``'s own; statistics are float32.
-  """
-  from jaxsys.ops.attn.common import validate, visible_mask
-  args = validate(q, k_cache, v_cache, mask=mask, q_offset=q_offset, kv_lengths=kv_lengths)
-  b, s, h, d = q.shape
-  t, hk = k_cache.shape[1], k_cache.shape[2]
-  g = h // hk
-  qf = q.astype(jnp.float32) * args.scale
-  qf = qf.reshape(b, s, hk, g, d).transpose(0, 2, 4, 3, 1)               # [b, hk, d, g, s]
-  eye = jnp.eye(hk, dtype=jnp.float32)
-  qbd = (eye[None, :, None, :, None, None] * qf[:, :, :, None]).reshape(b, hk * d, h * s)
-  kf = k_cache.astype(jnp.float32).reshape(b, t, hk * d)
-  vf = v_cache.astype(jnp.float32).reshape(b, t, hk * d)
-  sc = jnp.einsum("btc,bcj->btj", kf, qbd)                                # [b, T, heads * s]
-  vis = visible_mask(args, jnp.arange(s), jnp.arange(t))                  # [b|1, h|1, s, T]
-  vis = jnp.broadcast_to(vis, (vis.shape[0], h, s, t)).transpose(0, 3, 1, 2).reshape(-1, t, h * s)
-  sc = jnp.where(vis, sc, -jnp.inf)
-  m = jnp.max(sc, axis=1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(sc - m)                                                     # [b, T, heads * s]
-  l = jnp.sum(p, axis=1)                                                  # [b, heads * s]
-  o = jnp.einsum("btj,btc->bjc", p, vf).reshape(b, hk, g, s, hk, d)       # every kv head
-  o = jnp.einsum("bkgskd->bkgsd", o)                                      # its own block
-  o = o / jnp.where(l > 0, l, 1.0).reshape(b, hk, g, s)[..., None]        # unseen rows: 0
-  return o.reshape(b, h, s, d).transpose(0, 2, 1, 3).astype(q.dtype)

@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from jaxsys.ops.attn.api import ATTENTION
 from flax import nnx
 
 import jaxsys.models as M
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.models.decoder import pack_for_decode
-from jaxsys.nn.attention import decode_attention
 from jaxsys.nn.layers import SMALL_M, DecodeWeight, quantize_rows_int8, row_matmul
 from jaxsys.ops import attention, masks
 from jaxsys.decoding.cache import KVCache
@@ -126,8 +127,15 @@ def test_decode_attention_equals_the_reference(mask, s):
   k, v = (jnp.asarray(rng.standard_normal((b, t, 2, 8)).astype(np.float32)) for _ in range(2))
   off = jnp.asarray([5, t - s], jnp.int32)
   ref = attention(q, k, v, mask=mask, q_offset=off, kv_lengths=off + s, impl="reference")
-  out = decode_attention(q, k, v, mask=mask, q_offset=off, kv_lengths=off + s)
+  out, lse = attention(q, k, v, mask=mask, q_offset=off, kv_lengths=off + s, impl="xla_decode",
+                       return_lse=True)
+  ref_out, ref_lse = attention(q, k, v, mask=mask, q_offset=off, kv_lengths=off + s, impl="reference",
+                               return_lse=True)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5)
+  with pytest.raises(NotImplementedError, match="at most 16"):   # a prefill: the blockwise path's
+    attention(jnp.zeros((1, 17, 6, 8)), k[:1], v[:1], mask=mask, impl="xla_decode")
+  assert ATTENTION.order("auto") == ("xla_decode", "xla")         # CPU: the short path first
 
 
 def test_cached_step_does_not_transpose_the_cache(models):

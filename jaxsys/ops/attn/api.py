@@ -25,14 +25,21 @@ from jaxsys.ops.attn.common import AttentionArgs, validate
 
 __all__ = ["ATTENTION", "attention", "auto_order", "head_groups", "IMPLS", "register"]
 
+def _auto_order() -> tuple[str, ...]:
+  """``impl="auto"``: the kernel on accelerators, then the short-query decode path, then the
+  blockwise XLA path (each refuses, before tracing, what it cannot serve)."""
+  return ("pallas", "xla_decode", "xla") if "pallas" in auto_order() else ("xla_decode", "xla")
+
+
 ATTENTION = Dispatcher("attention", {
     "xla": "jaxsys.ops.attn.xla:blockwise_attention",
+    "xla_decode": "jaxsys.ops.attn.decode:decode_attention",
     "pallas": "jaxsys.ops.attn.pallas:pallas_compiled",
     "pallas_interpret": "jaxsys.ops.attn.pallas:pallas_interpreted",
     "jax_triton": "jaxsys.ops.attn.jax_triton:jax_triton_attention",  # explicit only, GPU
     "reference": "jaxsys.ops.attn.reference:attention_reference",  # explicit only, never auto
-})
-IMPLS = ATTENTION.names  # ("auto", "xla", "pallas", "pallas_interpret", "jax_triton", "reference")
+}, auto=_auto_order, quiet=("xla_decode",))
+IMPLS = ATTENTION.names  # ("auto", "xla", "xla_decode", "pallas", "pallas_interpret", "jax_triton", "reference")
 register = ATTENTION.register
 
 
@@ -93,7 +100,8 @@ def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "
     segment_ids: ``int[batch, len]`` (q_len == kv_len) or a pair ``(q_ids, kv_ids)``; tokens
       attend only within equal ids (packed sequences).
     scale: logit scale, default ``1/sqrt(head_dim)``.
-    impl: "auto" | "xla" | "pallas" | "pallas_interpret" | "reference".
+    impl: "auto" | "xla" | "xla_decode" (a few queries over a cache) | "pallas" |
+      "pallas_interpret" | "jax_triton" | "reference".
     return_lse: also return the float32 log-sum-exp ``[batch, heads, q_len]`` (-inf for rows that
       see no key), for merging partial attentions.
     q_offset: absolute position of query row 0 (int or ``int[batch]``); default
