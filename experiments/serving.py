@@ -89,21 +89,25 @@ def _alternating_flags(mc):
   return [[(h + layer) % 2 == 0 for h in range(mc.num_kv_heads)] for layer in range(mc.num_layers)]
 
 
-async def _one(client, model_name, prompt, max_tokens, t_send):
+def _exact_length(max_tokens: int, peer: bool) -> dict:
+  """The request field that makes a server produce exactly ``max_tokens`` tokens: our (and vLLM's)
+  ``ignore_eos``; llama.cpp's ``min_tokens`` (our server refuses fields it does not implement)."""
+  return {"ignore_eos": True, "min_tokens": max_tokens} if peer else {"ignore_eos": True}
+
+
+async def _one(client, model_name, prompt, max_tokens, t_send, peer=False):
   t0 = time.perf_counter()
   times = []
   stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
                                            temperature=0, stream=True,
-                                           # every server makes max_tokens tokens: vLLM's / our
-                                           # ignore_eos, llama.cpp's min_tokens
-                                           extra_body={"ignore_eos": True, "min_tokens": max_tokens})
+                                           extra_body=_exact_length(max_tokens, peer))
   async for chunk in stream:
     if chunk.choices:
       times.append(time.perf_counter())
   return {"send": t_send, "start": t0, "times": times}
 
 
-async def _load(url, model_name, prompts, rate, max_tokens, seed):
+async def _load(url, model_name, prompts, rate, max_tokens, seed, peer=False):
   """Open loop: request i is sent at its Poisson arrival time whatever the server's state."""
   import openai
   client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
@@ -112,7 +116,7 @@ async def _load(url, model_name, prompts, rate, max_tokens, seed):
   tasks = []
   for prompt, at in zip(prompts, np.cumsum(gaps) - gaps[0]):
     await asyncio.sleep(max(0.0, t_start + at - time.perf_counter()))
-    tasks.append(asyncio.create_task(_one(client, model_name, prompt, max_tokens, time.perf_counter())))
+    tasks.append(asyncio.create_task(_one(client, model_name, prompt, max_tokens, time.perf_counter(), peer)))
   res = await asyncio.gather(*tasks)
   await client.close()
   return res
@@ -199,7 +203,8 @@ def _peer_load(model, tok, loads: list, rates: list, keys: list, max_tokens: int
       try:
         _wait_http("http://127.0.0.1:8791/v1/models", proc)
         for i, load, rate, key in zip(load_ids or range(len(loads)), loads, rates, keys):
-          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, reseed(i, seed)))
+          res = asyncio.run(_load("http://127.0.0.1:8791", "peer", load, rate, max_tokens, reseed(i, seed),
+                                  peer=True))
           results[("llama.cpp", key)] = _summary(res)
           print(f"  llama.cpp @ {key}: {results[('llama.cpp', key)]}", flush=True)
       finally:

@@ -1,6 +1,7 @@
 """``impl="xla_decode"``: attention of a few queries over a contiguous cache, without moving the
 cache. ``impl="auto"`` tries it first on every backend after ``pallas``: it refuses (before
-tracing) calls with more than :data:`DECODE_MAX_Q` queries or with segment ids, and ``xla``
+tracing) calls with more than :data:`DECODE_MAX_Q` queries, with segment ids, or without a
+cache (no ``kv_lengths`` and no speculative ``TreeMask``: short training calls), and ``xla``
 serves those.
 
 ``q [b, s, heads, d]``, caches ``[b, T, kv_heads, d]``. Batched per kv head, the usual GQA
@@ -19,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxsys.ops.attn.common import AttentionArgs, visible_mask
+from jaxsys.ops.masks import TreeMask
 
 __all__ = ["DECODE_MAX_Q", "decode_attention"]
 
@@ -34,6 +36,10 @@ def decode_attention(args: AttentionArgs):
     raise NotImplementedError(f"xla_decode serves at most {DECODE_MAX_Q} queries per row, got {s}")
   if args.q_segment_ids is not None:
     raise NotImplementedError("xla_decode takes no segment ids")
+  if args.kv_lengths is None and not isinstance(args.mask, TreeMask):
+    # a short training or prefill call (no cache): the blockwise path, differentiable and
+    # shard_map-safe, serves it (the block-diagonal product is for reading a cache in place)
+    raise NotImplementedError("xla_decode serves cached calls: kv_lengths given, or a speculative TreeMask")
   t, hk = k_cache.shape[1], k_cache.shape[2]
   if v_cache.shape[-1] != d:
     raise NotImplementedError("xla_decode needs v's head_dim equal to q's")
