@@ -18,7 +18,7 @@ from jaxsys.experiments import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 # Imported inside experiment functions, so importing the modules alone would not catch them.
-LAZY = ("uvicorn", "fastapi", "openai", "torch", "transformers", "accelerate", "gguf", "matplotlib")
+LAZY = ("uvicorn", "fastapi", "openai", "httpx", "torch", "transformers", "accelerate", "gguf", "matplotlib")
 
 
 def readme_install_line() -> str:
