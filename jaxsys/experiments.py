@@ -50,9 +50,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: Wall seconds of each ``--quick`` run on 2 idle CPU cores (the fresh-clone run of
 #: experiments/README.md); only the progress line's estimate of the time left uses them.
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 43, "decode_speed": 18, "real_lm": 156, "tiny_lm": 43, "mmsp": 40, "vniah": 49,
-    "mrsp": 120, "lserve": 79, "serving": 90, "tlt": 107, "torchgt": 140, "gnn_quant": 64, "cluster": 46,
-    "spiking_nerf": 54, "date": 101,
+    "attention": 51, "decode_speed": 19, "real_lm": 96, "tiny_lm": 43, "mmsp": 48, "vniah": 58,
+    "mrsp": 126, "lserve": 89, "serving": 110, "tlt": 102, "torchgt": 138, "gnn_quant": 74, "cluster": 46,
+    "spiking_nerf": 53, "date": 108,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
