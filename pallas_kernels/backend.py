@@ -18,9 +18,14 @@ import jax
 
 from pallas_kernels.errors import ConfigError
 
-__all__ = ["BACKENDS", "require_triton_pow2", "resolve_backend", "triton_params"]
+__all__ = ["BACKENDS", "next_pow2", "require_triton_pow2", "resolve_backend", "triton_params"]
 
 BACKENDS = ("triton", "mosaic")
+
+
+def next_pow2(x: int) -> int:
+  """The smallest power of two >= ``x`` (1 for ``x <= 1``): Triton's block-shape rule."""
+  return 1 << max(0, int(x) - 1).bit_length()
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -55,9 +60,7 @@ def triton_params(num_warps: int, num_stages: int):
   global _QUIETED
   if not _QUIETED:
     warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=DeprecationWarning,
-                            module=r"jax\._src\.pallas\.triton")
-    warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=DeprecationWarning,
-                            module=r"jax\.experimental\.pallas")
+                            module=r"jax\.(_src\.pallas\.triton|experimental\.pallas)")
     _QUIETED = True
   from jax.experimental.pallas import triton as pltr  # noqa: PLC0415  (GPU lowering, on use)
   return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)

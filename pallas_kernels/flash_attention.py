@@ -32,8 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import flash_tiles, flash_tpu
-from pallas_kernels.backend import triton_params
-from pallas_kernels.flash_common import BACKENDS, F32, KernelConfig, dot, dot_ta, mask_scores
+from pallas_kernels.backend import next_pow2, triton_params
+from pallas_kernels.flash_common import (BACKENDS, F32, KernelConfig, dot, dot_ta, lse_delta,
+                                         mask_scores, sum_query_groups)
 
 __all__ = ["BACKENDS", "block_sparse_nodes", "BlockSizes", "check_kv_cells", "flash_attention",
            "KernelConfig", "layout_cells", "pack_tables"]
@@ -120,7 +121,7 @@ class BlockSizes:
         common = math.gcd(*cells_k)
         bk = min(bk, common & -common)
       bk = max(bk, _TRITON_MIN)
-      bk = min(bk, max(_TRITON_MIN, _next_pow2(kv_len)))
+      bk = min(bk, max(_TRITON_MIN, next_pow2(kv_len)))
     check_kv_cells(bk, cells_k, backend)
     if tuned:
       launch = flash_tiles.launch(bq, bk, itemsize, head_dim)
@@ -130,10 +131,6 @@ class BlockSizes:
 _TRITON_MIN = 16     # smallest Triton dot operand dim
 _MOSAIC_SUBLANES = 8
 _MOSAIC_LANES = 128
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _pow2_floor(x: int) -> int:
@@ -317,7 +314,7 @@ def pack_tables(idx, cls, cnt, bits, *, backend: str):
   ht, n, v = idx.shape
   if backend == "mosaic":
     return flash_tpu.pack_tables(idx, cls, cnt, bits), max(v, 1)
-  w = _next_pow2(1 + 3 * v)
+  w = next_pow2(1 + 3 * v)
   tab = np.zeros((ht, n, w), np.int32)
   tab[..., 0] = cnt
   tab[..., 1:1 + v] = idx
@@ -380,8 +377,7 @@ def _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse):
   b, h, tq, d = q.shape
   tk, dv = k.shape[2], v.shape[-1]
   sp = _specs(cfg, tq, tk, d, dv)
-  # delta_i = rowsum(dO * O) - dlse_i: d lse / d s = p folds the lse cotangent into delta.
-  delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1, keepdims=True) - dlse
+  delta = lse_delta(do, out, dlse)
   dq = _call(cfg, _dq_kernel, "flash_attention_bwd_dq", (b, h, tq // cfg.block_q), tab, scal,
              [sp["q_blk"], sp["k_all"], sp["v_all"], sp["qseg_blk"], sp["kseg_all"],
               sp["o_blk"], sp["col_blk"], sp["col_blk"]],
@@ -395,10 +391,7 @@ def _backward(cfg, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse, do, dlse):
                   [q, k, v, qseg, kseg, do, lse, delta], [sp["dk_blk"], sp["dv_blk"]],
                   [jax.ShapeDtypeStruct((b, h, tk, d), F32),
                    jax.ShapeDtypeStruct((b, h, tk, dv), F32)])
-  hk = cfg.kv_heads
-  dk = dk.reshape(b, hk, cfg.group, tk, d).sum(2).astype(k.dtype)
-  dvv = dvv.reshape(b, hk, cfg.group, tk, dv).sum(2).astype(v.dtype)
-  return dq, dk, dvv
+  return (dq, *sum_query_groups(cfg, dk, dvv, k.dtype, v.dtype))
 
 
 def flash_attention(cfg: KernelConfig, tab, tab_t, scal, q, k, v, qseg, kseg):

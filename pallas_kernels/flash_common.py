@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["BACKENDS", "dot", "dot_ta", "F32", "KernelConfig", "mask_scores"]
+__all__ = ["BACKENDS", "dot", "dot_ta", "F32", "KernelConfig", "lse_delta", "mask_scores", "sum_query_groups"]
 
 F32 = jnp.float32
 BACKENDS = ("triton", "mosaic")
@@ -68,3 +68,17 @@ def mask_scores(cfg: KernelConfig, s, cls, qi, qpos, ki, head, bits, qseg, kseg,
   vis = (ki < cfg.kv_len) & (ki < kv_length) & (qseg == kseg)
   vis = vis & cfg.visible_fn(qi, qpos, ki, head, bits)
   return jnp.where((cls == 1) | vis, s, -jnp.inf)
+
+
+def lse_delta(do, out, dlse):
+  """``delta [b, h, Tq, 1] = rowsum(dO * O) - dlse``: FlashAttention-2's delta, with the lse
+  cotangent folded in (d lse / d s = p)."""
+  return jnp.sum(do.astype(F32) * out.astype(F32), axis=-1, keepdims=True) - dlse
+
+
+def sum_query_groups(cfg: KernelConfig, dk, dv, k_dtype, v_dtype):
+  """Per-query-head ``dk, dv [b, h, Tk, d]`` (f32) summed over each kv head's query group, in the
+  inputs' dtypes: ``[b, kv_heads, Tk, d]``."""
+  b, _, tk, _ = dk.shape
+  group = lambda x: x.reshape(b, cfg.kv_heads, cfg.group, tk, x.shape[-1]).sum(2)  # noqa: E731
+  return group(dk).astype(k_dtype), group(dv).astype(v_dtype)

@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_common import F32, KernelConfig, dot, dot_ta, mask_scores
+from pallas_kernels.flash_common import (F32, KernelConfig, dot, dot_ta, lse_delta, mask_scores,
+                                         sum_query_groups)
 
 __all__ = ["backward", "check_budgets", "forward", "pack_tables", "TPU_SMEM_BUDGET_BYTES",
            "TPU_VMEM_BUDGET_BYTES", "vmem_bytes", "vmem_limit"]
@@ -150,32 +151,21 @@ class _Visits:
     return self.tab[self.th, self.row, 1 + self.v + j] if self.has_bits else jnp.int32(0)
 
 
-def _streamed_block(cfg, visits, shape, which):
-  """BlockSpec of an array streamed by the table: block ``shape`` (leading Nones squeezed) at the
-  visited block of slot ``t`` on the block axis; ``which`` says whose head / batch index it
-  takes ("kv": kv head h // group, "q": query head h, "seg": no head axis)."""
+def _block_spec(cfg, shape, which, visits=None):
+  """BlockSpec of one operand on the ``(b, h, row, slot)`` grid, block ``shape`` (leading Nones
+  squeezed). Its block index on the sequence axis is the grid row (``visits=None``: read once per
+  row, resident across the slots) or the block visited at ``slot`` (streamed by the table).
+  ``which`` says whose index the other axes take: "kv" (kv head h // group), "q" (query head
+  h), "seg_q" / "seg_k" (segment ids: no head axis)."""
   g = cfg.group
 
   def index(b, h, r, t, tab_ref, scal_ref):
-    blk = _Visits(cfg, tab_ref, h, r, visits).block(t)
+    blk = r if visits is None else _Visits(cfg, tab_ref, h, r, visits).block(t)
     if which == "seg_q":
       return b, blk, 0
     if which == "seg_k":
       return b, 0, blk
     return b, lax.div(h, g) if which == "kv" else h, blk, 0
-  return pl.BlockSpec(shape, index)
-
-
-def _row_block(cfg, shape, which):
-  """BlockSpec of an array read once per grid row ``r`` (resident across the slots)."""
-  g = cfg.group
-
-  def index(b, h, r, t, tab_ref, scal_ref):
-    if which == "seg_q":
-      return b, r, 0
-    if which == "seg_k":
-      return b, 0, r
-    return b, lax.div(h, g) if which == "kv" else h, r, 0
   return pl.BlockSpec(shape, index)
 
 
@@ -303,8 +293,8 @@ def _call(cfg: KernelConfig, kernel, name, kind, rows, visits, tab, scal, in_spe
 
 def _specs(cfg: KernelConfig, d: int, dv: int, visits: int):
   bq, bk = cfg.block_q, cfg.block_k
-  sq = functools.partial(_streamed_block, cfg, visits)
-  rw = functools.partial(_row_block, cfg)
+  sq = lambda shape, which: _block_spec(cfg, shape, which, visits)  # noqa: E731
+  rw = functools.partial(_block_spec, cfg)
   return {
       # forward / dq: rows are q blocks, K/V streamed
       "q_row": rw((None, None, bq, d), "q"), "o_row": rw((None, None, bq, dv), "q"),
@@ -338,8 +328,7 @@ def backward(cfg: KernelConfig, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse,
   """``(dq, dk, dv)``: the dq kernel over ``tab``, the dk/dv kernel over ``tab_t``."""
   b, h, tq, d = q.shape
   tk, dv = k.shape[2], v.shape[-1]
-  # delta_i = rowsum(dO * O) - dlse_i: d lse / d s = p folds the lse cotangent into delta.
-  delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1, keepdims=True) - dlse
+  delta = lse_delta(do, out, dlse)
   sp = _specs(cfg, d, dv, cfg.visits)
   dq = _call(cfg, _dq_kernel, "flash_attention_bwd_dq", "dq", tq // cfg.block_q, cfg.visits, tab,
              scal, [sp["q_row"], sp["k_vis"], sp["v_vis"], sp["qseg_row"], sp["kseg_vis"],
@@ -355,7 +344,4 @@ def backward(cfg: KernelConfig, tab, tab_t, scal, q, k, v, qseg, kseg, out, lse,
                   [q, k, v, qseg, kseg, do, lse, delta], [spt["dk_row"], spt["dv_row"]],
                   [jax.ShapeDtypeStruct((b, h, tk, d), F32), jax.ShapeDtypeStruct((b, h, tk, dv), F32)],
                   [pltpu.VMEM((cfg.block_k, d), F32), pltpu.VMEM((cfg.block_k, dv), F32)])
-  hk = cfg.kv_heads
-  dk = dk.reshape(b, hk, cfg.group, tk, d).sum(2).astype(k.dtype)
-  dvv = dvv.reshape(b, hk, cfg.group, tk, dv).sum(2).astype(v.dtype)
-  return dq, dk, dvv
+  return (dq, *sum_query_groups(cfg, dk, dvv, k.dtype, v.dtype))

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, require_triton_pow2, resolve_backend, triton_params  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, next_pow2, require_triton_pow2, resolve_backend, triton_params  # noqa: F401  (re-exported)
 
 __all__ = ["BACKENDS", "resolve_backend", "page_scores_pallas", "PageSelectBlocks", "TPU_SMEM_BUDGET_BYTES"]
 
@@ -135,7 +135,7 @@ def page_scores_pallas(q, kmin, kmax, block_table, lengths, *, page_size, logica
   m = block_table.shape[1]
   qg = q.reshape(b, hk, g, d)
   if backend == "triton" and g & (g - 1):  # [b, hk, G, d], G the next power of two
-    gp = 1 << (g - 1).bit_length()
+    gp = next_pow2(g)
     qg = jnp.concatenate([qg, jnp.broadcast_to(qg[:, :, :1], (b, hk, gp - g, d))], axis=2)
     g = gp
   bt, lens = block_table.astype(jnp.int32), lengths.astype(jnp.int32)

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.errors import ConfigError
 
-from pallas_kernels.backend import BACKENDS, resolve_backend, triton_params  # noqa: F401  (re-exported)
+from pallas_kernels.backend import BACKENDS, next_pow2, resolve_backend, triton_params  # noqa: F401  (re-exported)
 
 __all__ = [
     "BACKENDS", "resolve_backend", "aggregate_group_kernel", "AggregateBlock", "group_aggregate", "TPU_SMEM_BUDGET_BYTES",
@@ -46,10 +46,6 @@ __all__ = [
 # 1 MiB of SMEM per core from TPU v4 on, 16 MiB of scoped VMEM by default: half of each.
 TPU_SMEM_BUDGET_BYTES = 512 * 1024
 TPU_VMEM_BUDGET_BYTES = 8 * 1024 * 1024
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +126,7 @@ def _mosaic_call(starts, ends, src_rows, weights, words, scales, *, bits, signed
   n_pad = starts.shape[0]
   bn = block.block_nodes
   fields = 32 // bits
-  k_pad, w_pad = _pow2(fields), words.shape[1]
+  k_pad, w_pad = next_pow2(fields), words.shape[1]
   smem = 4 * (starts.size + ends.size + src_rows.size + weights.size + scales.size)
   vmem = 2 * words.shape[0] * (-(-w_pad // 128) * 128) * 4  # lane-padded, double-buffered
   if smem > TPU_SMEM_BUDGET_BYTES or vmem > TPU_VMEM_BUDGET_BYTES:
@@ -170,7 +166,7 @@ def aggregate_group_kernel(starts, ends, src_rows, weights, words, scales, *, bi
   n_pad = starts.shape[0]
   bn = block.block_nodes
   fields = 32 // bits
-  k_pad, w_pad = _pow2(fields), words.shape[1]
+  k_pad, w_pad = next_pow2(fields), words.shape[1]
   full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
   kernel = functools.partial(_kernel, bits=bits, fields=fields, signed=signed, block_nodes=bn)
   return pl.pallas_call(
@@ -197,9 +193,9 @@ def group_aggregate(words, scales, ge, *, bits: int, num_features: int, signed: 
   bn = block.block_nodes
   n_pad = -(-num_nodes // bn) * bn
   e = ge.src_rows.size
-  e_pad = _pow2(max(e, 1))
+  e_pad = next_pow2(max(e, 1))
   rows, w = words.shape
-  r_pad, w_pad = _pow2(max(rows, 1)), _pow2(w)
+  r_pad, w_pad = next_pow2(max(rows, 1)), next_pow2(w)
   starts = jnp.asarray(np.pad(ge.starts, (0, n_pad - num_nodes)))
   ends = jnp.asarray(np.pad(ge.ends, (0, n_pad - num_nodes)))
   src = jnp.asarray(np.pad(ge.src_rows, (0, e_pad - e)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -35,8 +36,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxsys.core.errors import ConfigError
 
 __all__ = [
-    "auto_mesh", "axes_of_type", "parse_axes", "DEFAULT_RULES", "explicit_axes", "hint", "logical_sharding",
-    "logical_to_spec", "make_mesh", "MESH_AXES", "on_auto_axes", "place", "program_mesh",
+    "auto_mesh", "axes_of_type", "DEFAULT_RULES", "entry_axes", "entry_ways", "explicit_axes", "hint", "logical_sharding",
+    "logical_to_spec", "make_mesh", "MESH_AXES", "on_auto_axes", "parse_axes", "place", "program_mesh",
     "RULE_SETS", "rules_for", "shard_logically",
 ]
 
@@ -116,7 +117,6 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence | None = 
 def parse_axes(text: str) -> dict[str, int]:
   """``"data=4,model=2"`` -> ``{"data": 4, "model": 2}`` (the ``--mesh`` flags' syntax; sizes are
   positive integers, each axis once); ``ConfigError`` naming the text otherwise."""
-  import re  # noqa: PLC0415
   axes: dict[str, int] = {}
   for part in text.split(","):
     m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
@@ -223,12 +223,21 @@ def on_auto_axes(fn):
   return wrapper
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one ``PartitionSpec`` entry (None, an axis name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def entry_ways(entry, mesh_shape: Mapping[str, int]) -> int:
+  """How many shards one ``PartitionSpec`` entry cuts its dimension into on ``mesh_shape``."""
+  return math.prod(mesh_shape[a] for a in entry_axes(entry))
+
+
 def _keep_axes(spec: PartitionSpec, keep) -> PartitionSpec:
   """``spec`` with every mesh axis not in ``keep`` dropped (entries become None or shrink)."""
   out = []
   for entry in spec:
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    names = tuple(a for a in names if a in keep)
+    names = tuple(a for a in entry_axes(entry) if a in keep)
     out.append(None if not names else names[0] if len(names) == 1 else names)
   return PartitionSpec(*out)
 

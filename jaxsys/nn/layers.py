@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.core.mesh import explicit_axes, hint, logical_to_spec
+from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logical_to_spec
 
 __all__ = [
     "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
@@ -87,14 +87,13 @@ def param_specs(module: nnx.Module, mesh, rules=None, *, replicate_indivisible: 
       return jax.sharding.PartitionSpec()
     entries = list(logical_to_spec(names, mesh, rules))
     for i, entry in enumerate(entries):
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      ways = math.prod(mesh.shape[a] for a in axes)
+      ways = entry_ways(entry, mesh.shape)
       if var.get_value().shape[i] % ways:
         if not replicate_indivisible:
           name = "/".join(str(getattr(k, "key", k)) for k in path)
           raise ConfigError(
               f"parameter {name} dimension {i} ({names[i]!r}, size {var.get_value().shape[i]}) does not "
-              f"divide mesh axes {axes} of size {ways} (mesh {dict(mesh.shape)}); use a mesh "
+              f"divide mesh axes {entry_axes(entry)} of size {ways} (mesh {dict(mesh.shape)}); use a mesh "
               "whose axes divide it, or replicate_indivisible=True to replicate it")
         entries[i] = None
     return jax.sharding.PartitionSpec(*entries)
@@ -116,10 +115,7 @@ def state_bytes_per_device(module: nnx.Module, mesh_shape: dict[str, int], rules
   for var, spec in zip(jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable)),
                        jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))):
     value = var.get_value()
-    local = math.prod(value.shape)
-    for entry in spec:
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      local //= math.prod(mesh_shape[a] for a in axes)
+    local = math.prod(value.shape) // math.prod(entry_ways(e, mesh_shape) for e in spec)
     params += local * jnp.dtype(value.dtype).itemsize
     elems += local
   out = {"params": params, "grads": params, "optimizer": optimizer_moments * 4 * elems}

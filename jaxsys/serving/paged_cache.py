@@ -349,7 +349,7 @@ def init_state(c: PagedCacheConfig, mesh=None) -> PagedState:
   tp = mesh.shape.get("model", 1)
 
   def place(x):
-    spec = ("model",) if x.shape[1] % tp == 0 else ()
+    spec = ("model",) if "model" in mesh.shape and x.shape[1] % tp == 0 else ()
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec)))
   return jax.tree.map(place, state)
 

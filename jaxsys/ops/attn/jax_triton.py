@@ -12,6 +12,7 @@ bf16 / f16 inputs and head_dim up to 128 (padded to a power of two); anything el
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -22,12 +23,9 @@ from jaxsys.ops import masks as M
 from jaxsys.ops.attn import xla
 from jaxsys.ops.attn.common import AttentionArgs
 from pallas_kernels import triton_flash
+from pallas_kernels.backend import next_pow2
 
 __all__ = ["check", "jax_triton_attention"]
-
-
-def _pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
 
 
 def check(args: AttentionArgs) -> triton_flash.TritonFlashTiles:
@@ -42,7 +40,7 @@ def check(args: AttentionArgs) -> triton_flash.TritonFlashTiles:
     raise NotImplementedError("jax_triton attention needs a static (int) q_offset")
   if args.q.dtype not in (jnp.bfloat16, jnp.float16):
     raise NotImplementedError(f"jax_triton attention runs bf16 / f16 inputs, not {args.q.dtype}")
-  d = max(16, _pow2(args.q.shape[-1]))
+  d = max(16, next_pow2(args.q.shape[-1]))
   if d not in triton_flash.TILES or args.v.shape[-1] != args.q.shape[-1]:
     raise NotImplementedError(f"jax_triton attention has no verified tile for head_dim "
                               f"{args.q.shape[-1]} / {args.v.shape[-1]}")
@@ -53,7 +51,7 @@ def _forward(args: AttentionArgs, tiles, q, k, v):
   """``(out [b, q, h, d], lse [b, h, q])`` from the kernel, with lengths and head_dim padded."""
   b, tq, h, d = q.shape
   tk = k.shape[1]
-  d_p = max(16, _pow2(d))
+  d_p = max(16, next_pow2(d))
   tq_p = -(-tq // tiles.block_m) * tiles.block_m
   tk_p = -(-tk // tiles.block_n) * tiles.block_n
 
@@ -74,8 +72,7 @@ def jax_triton_attention(args: AttentionArgs):
   tiles = check(args)
 
   def twin(q, k, v):
-    return xla.blockwise_attention(AttentionArgs(q, k, v, args.mask, None, None, args.scale,
-                                                 args.q_offset, None))
+    return xla.blockwise_attention(dataclasses.replace(args, q=q, k=k, v=v))
 
   @jax.custom_vjp
   def attn(q, k, v):

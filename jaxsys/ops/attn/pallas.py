@@ -28,14 +28,11 @@ from jaxsys.ops.attn.common import AttentionArgs
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import flash_tpu
 from pallas_kernels import flash_tiles as fta
+from pallas_kernels.backend import next_pow2
 
 __all__ = ["BlockSizes", "pallas_attention", "pallas_compiled", "pallas_interpreted"]
 
 BlockSizes = fa.BlockSizes
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _bit_slots(nodes, block_k: int) -> list[tuple[int, int]]:
@@ -104,8 +101,8 @@ def _choose_blocks(bs: fa.BlockSizes | None, mask, tq, tk, nodes, backend, items
   # Explicit sizes, clipped to short lengths and shrunk to a common divisor of the layout cells
   # (each tile inside one cell); Mosaic kv tiles instead stay over whole columns when they can
   # (below 128 keys the TPU lowering refuses them).
-  bq = min(bs.block_q, max(16, _next_pow2(tq)))
-  bk = min(bs.block_k, max(16, _next_pow2(tk)))
+  bq = min(bs.block_q, max(16, next_pow2(tq)))
+  bk = min(bs.block_k, max(16, next_pow2(tk)))
   for n in nodes:
     bq = math.gcd(bq, n.block_q)
     if backend != "mosaic" or bk % n.block_k:
@@ -153,8 +150,8 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
   nodes = fa.block_sparse_nodes(args.mask)
   if len(nodes) > 31:
     raise NotImplementedError(f"at most 31 BlockSparse masks per call, got {len(nodes)}")
-  d_p = max(16, _next_pow2(d)) if backend == "triton" else d
-  dv_p = max(16, _next_pow2(dv)) if backend == "triton" else dv
+  d_p = max(16, next_pow2(d)) if backend == "triton" else d
+  dv_p = max(16, next_pow2(dv)) if backend == "triton" else dv
   hw = backend == "triton" and not interpret  # the sm_90a budgets apply to compiled Triton only
   size = jnp.dtype(q.dtype).itemsize
   bq, bk = _choose_blocks(block_sizes, args.mask, tq, tk, nodes, backend,
@@ -180,7 +177,7 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
 
   def padded(length, blk):
     n = -(-length // blk)
-    return blk * (_next_pow2(n) if backend == "triton" else n)
+    return blk * (next_pow2(n) if backend == "triton" else n)
 
   tq_p, tk_p = padded(tq, bq), padded(tk, bk)
   # Padding rows of the tables (beyond the real block count) visit nothing.
