@@ -42,7 +42,7 @@ def run(model, sampler, stops, cfg, prompts_fn, out=None, seed: int = 0) -> tupl
   look = Strategy.lookup_chain(cfg["lookup_depth"], cfg["lookup_ngram"])
   # seed=: the bandit's, as in every engine of the experiment (every run here forces its strategy)
   base = dict(strategies=(look,), max_new=cfg["max_new"], max_prompt=sampler.max_prompt,
-              stop_tokens=stops, batch_buckets=cfg["batches"], fused=True,
+              stop_tokens=stops, batch_buckets=cfg["batches"],
               lookup_ref=cfg["lookup_ref"], seed=reseed(0, seed))
   eng = RolloutEngine(model, None, RolloutConfig(**base, sampling=SamplingParams(cfg["temperature"])))
   samp = lambda key: SamplingParams(cfg["temperature"], seed=reseed(key, seed))  # noqa: E731
@@ -158,7 +158,7 @@ def grpo(model, tok, stops, cfg, out=None, seed: int = 0) -> tuple[list[Row], di
   n = cfg["prompts_per_step"] * cfg["group_size"]
   rcfg = dict(strategies=(look,), max_new=cfg["heavy_max_new"], max_prompt=sampler.max_prompt,
               stop_tokens=stops, batch_buckets=tuple(sorted(set(cfg["batches"]) | {n})),
-              spec_threshold=8, sampling=SamplingParams(cfg["temperature"]), fused=True,
+              spec_threshold=8, sampling=SamplingParams(cfg["temperature"]),
               lookup_ref=cfg["lookup_ref"], seed=reseed(0, seed))
   # GRPO's seed is the run's seed itself, not reseed(0, seed): the trainer seeds rollout i with
   # grpo.seed * 100003 + i, a uint32, which a reseeded value would overflow.

@@ -208,7 +208,7 @@ def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list
   max_prompt = sampler.max_prompt  # the longest prompt of the task mixture
   base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=max_prompt,
               stop_tokens=stops, batch_buckets=cfg["batches"], spec_threshold=8, sampling=sampling,
-              fused=True, compilation_cache_dir=str(out / "xla_cache"),
+              compilation_cache_dir=str(out / "xla_cache"),
               seed=reseed(0, seed))  # the bandit's exploration
   pool = ExecutablePool(max_entries=256)
   dcfg = DrafterConfig.for_target(mc, draft_vocab=cfg["draft_vocab"])

@@ -11,7 +11,7 @@ mostly short recall/arith answers, ``long_fraction`` copy prompts of 40+ tokens;
 3. end-to-end GRPO step time with the long-tailed response length: TLT engine vs the same engine
    without speculation, same seeds, interleaved in one process; reward curves overlaid.
 
-Both engines are ``fused`` (``jaxsys.speculative.fused``): vanilla decoding of the full batch is
+Both engines run the rollout engine's on-device phases (``jaxsys.speculative.fused``): vanilla decoding of the full batch is
 one on-device while_loop until fewer than ``spec_threshold`` rows run; the batch then shrinks
 and the long tail is one while_loop too, speculative (TLT; its bandit may also pick plain
 decoding, ``vanilla_arm``) or vanilla (baseline). Steps 2+ are compared (every rollout
@@ -116,7 +116,7 @@ def run_tiny(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -
   base = dict(strategies=(chain, tree), max_new=long_sampler.max_response,
               max_prompt=long_sampler.max_prompt, stop_tokens=(synthetic.VOCAB.eos,),
               batch_buckets=cfg["batches"], spec_threshold=cfg["spec_threshold"],
-              sampling=SamplingParams(cfg["temperature"]), fused=True,
+              sampling=SamplingParams(cfg["temperature"]),
               seed=reseed(0, seed))  # the bandit's exploration
   pool = ExecutablePool(max_entries=256)
   drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(reseed(1, seed)))

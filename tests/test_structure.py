@@ -265,3 +265,33 @@ def test_one_sampling_filter():
   owners = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
             and any(isinstance(n, ast.Attribute) and n.attr == "cumsum" for n in ast.walk(f))]
   assert owners == ["_filter"], owners
+
+
+def _calls(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+  out = []
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Call):
+      f = n.func
+      name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+      if name in names:
+        out.append((n.lineno, name))
+  return out
+
+
+def test_one_on_device_decode_loop():
+  """Decoding loops are the decoding core's ``while_running`` (one ``lax.while_loop``), and the
+  rollout engine's step functions run only inside ``speculative.fused``'s loops: no Python loop
+  dispatches decode steps one at a time."""
+  python_loop = ast.parse("for _ in range(n):\n  s = dec.vanilla_step(m, s, c)\n")
+  assert _calls(python_loop, {"vanilla_step"}) == [(2, "vanilla_step")]  # the detector sees one
+  loops, steps = [], []
+  for rel, tree in _sources("jaxsys"):
+    if rel.split("/")[1] not in ("decoding", "serving", "speculative", "rl"):
+      continue
+    if rel != "jaxsys/decoding/core.py":
+      loops += [f"{rel}:{ln} {name}" for ln, name in _calls(tree, {"while_loop", "fori_loop"})]
+    if rel not in ("jaxsys/speculative/fused.py", "jaxsys/speculative/decode.py"):
+      steps += [f"{rel}:{ln} {name}" for ln, name in
+                _calls(tree, {"vanilla_step", "drafter_sync", "verify", "draft"})]
+  assert not loops, "a second decode loop:\n" + "\n".join(loops)
+  assert not steps, "a decode step called outside the on-device loops:\n" + "\n".join(steps)

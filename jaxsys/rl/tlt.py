@@ -22,7 +22,7 @@ Usage::
 
   from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
   rollout = RolloutConfig(strategies=(Strategy(4, 1, 5),), max_new=64, max_prompt=32,
-                          sampling=SamplingParams(1.0), fused=True, stop_tokens=(eos,))
+                          sampling=SamplingParams(1.0), stop_tokens=(eos,))
   tlt = make_tlt_trainer(policy, drafter, sampler, rollout, TLTConfig(spot_steps=40),
                          warm_rollouts=warm, reward_fn=reward, pad_id=pad)
   tlt.precompile()                 # optional: every rollout executable and update width

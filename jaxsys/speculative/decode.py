@@ -13,7 +13,8 @@ and the emitted tokens. Four jittable steps act on it:
   forward over the tree, lossless acceptance, commit of the accepted path, new root = bonus.
 
 Each row advances by its own accepted length; finished rows are frozen. All shapes are static
-(batch bucket, cache length, tree size), so each step compiles once per bucket.
+(batch bucket, cache length, tree size), so each step compiles once per bucket. The steps run
+only inside the on-device loops of ``speculative.fused`` (the rollout engine's one decode path).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from jaxsys.speculative import tree as tree_lib
 from jaxsys.speculative.bandit import Strategy
 
 __all__ = [
-    "DecodeConfig", "DecodeState", "draft", "drafter_sync", "init_state", "jit_draft", "jit_prefill",
-    "jit_sync", "jit_vanilla", "jit_verify", "prefill", "split", "vanilla_step", "verify",
+    "DecodeConfig", "DecodeState", "draft", "drafter_sync", "init_state", "jit_prefill", "prefill",
+    "split", "vanilla_step", "verify",
 ]
 
 
@@ -268,28 +269,4 @@ def split(module):
 def jit_prefill(cfg: DecodeConfig):
   def f(gdef, tstate, state, prompts, lengths):
     return prefill(nnx.merge(gdef, tstate), state, prompts, lengths, cfg)
-  return jax.jit(f, static_argnums=0, donate_argnums=2)
-
-
-def jit_vanilla(cfg: DecodeConfig):
-  def f(gdef, tstate, state):
-    return vanilla_step(nnx.merge(gdef, tstate), state, cfg)
-  return jax.jit(f, static_argnums=0, donate_argnums=2)
-
-
-def jit_sync():
-  def f(gdef, tstate, dgdef, dstate, state):
-    return drafter_sync(nnx.merge(gdef, tstate), nnx.merge(dgdef, dstate), state)
-  return jax.jit(f, static_argnums=(0, 2), donate_argnums=4)
-
-
-def jit_draft(strategy: Strategy):
-  def f(gdef, tstate, dgdef, dstate, state):
-    return draft(nnx.merge(gdef, tstate), nnx.merge(dgdef, dstate), state, strategy)
-  return jax.jit(f, static_argnums=(0, 2), donate_argnums=4)
-
-
-def jit_verify(cfg: DecodeConfig):
-  def f(gdef, tstate, state, trees):
-    return verify(nnx.merge(gdef, tstate), state, trees, cfg)
   return jax.jit(f, static_argnums=0, donate_argnums=2)

@@ -4,9 +4,10 @@ RL rollouts start with every sequence running (a large batch: decoding is effici
 speculation buys little) and end with a few very long responses (a tiny batch: each step is
 latency bound and verification of many draft tokens is almost free). TLT's engine therefore
 
-* switches speculative decoding on when the number of running sequences drops below
-  ``spec_threshold`` (and off again only above ``spec_threshold + hysteresis``);
-* shrinks the batch to the smallest power-of-two bucket holding the running rows;
+* decodes the full batch with one on-device vanilla loop until fewer than ``spec_threshold``
+  sequences run, then switches to the long tail (the rows never return to the full batch);
+* shrinks the batch to the smallest power-of-two bucket holding the running rows, one on-device
+  loop per bucket (``speculative.fused``): no Python runs between decode steps;
 * lets a ``BucketedBandit`` pick the strategy (depth, topk, verify_tokens) per batch bucket,
   rewarded by ``accepted tokens x batch / step time`` (tokens per second); with
   ``vanilla_arm=True`` plain decoding is one more arm, so the tail is not speculated where no
@@ -58,7 +59,6 @@ class RolloutConfig:
   max_prompt: int = 32
   batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
   spec_threshold: int = 8          # speculate when running sequences < spec_threshold
-  hysteresis: int = 2
   speculative: bool = True         # False: the vanilla baseline (same engine, no drafting)
   epsilon: float = 0.1
   stop_tokens: tuple[int, ...] = ()
@@ -67,11 +67,11 @@ class RolloutConfig:
   pool_max_bytes: int | None = None
   compilation_cache_dir: str | None = None
   seed: int = 0
-  # fused=True: each phase of a rollout is one on-device while_loop (``fused.py``): vanilla on
-  # the full batch until fewer than spec_threshold rows run, then a shrink and the long tail
-  # (speculative with a bandit-chosen strategy, or vanilla). No Python between decode steps.
-  fused: bool = False
-  # shrink_tail=True (fused): the long tail shrinks again whenever its running rows fit a smaller
+  # Each phase of a rollout is one on-device while_loop (``fused.py``, over the decoding core's
+  # ``while_running``): vanilla on the full batch until fewer than spec_threshold rows run, then
+  # a shrink and the long tail (speculative with a bandit-chosen strategy, or vanilla). No Python
+  # runs between decode steps.
+  # shrink_tail=True: the long tail shrinks again whenever its running rows fit a smaller
   # bucket, one loop per bucket (the bandit picks each loop's strategy for its batch size);
   # False: one shrink, and the tail ends in the bucket it started in.
   shrink_tail: bool = True
@@ -92,8 +92,8 @@ class RolloutConfig:
       raise ConfigError("strategies must not be empty")
     if self.max_new < 1 or self.max_prompt < 1:
       raise ConfigError(f"max_new={self.max_new} and max_prompt={self.max_prompt} must be >= 1")
-    if self.spec_threshold < 0 or self.hysteresis < 0:
-      raise ConfigError(f"spec_threshold={self.spec_threshold} and hysteresis={self.hysteresis} must be >= 0")
+    if self.spec_threshold < 0:
+      raise ConfigError(f"spec_threshold={self.spec_threshold} must be >= 0")
     if any(b < 1 for b in self.batch_buckets):
       raise ConfigError(f"batch_buckets={self.batch_buckets} must be positive")
     if not isinstance(self.sampling, SamplingParams):
@@ -194,12 +194,7 @@ class RolloutEngine:
 
   def _exe(self, kind: str, b: int, strategy: Strategy | None = None):
     """The compiled executable for ``kind`` at batch bucket ``b`` (built on the first request)."""
-    if kind in ("draft", "sloop", "lloop"):
-      key = (kind, strategy, b)
-    elif kind == "verify":
-      key = (kind, strategy.verify_tokens, b)
-    else:
-      key = (kind, b)
+    key = (kind, strategy, b) if kind in ("sloop", "lloop") else (kind, b)
     # Shared pools: executables also depend on the static decode config and module structures.
     key = key + self._key_suffix
     return self.pool.get(key, lambda: self._build(kind, b, strategy))
@@ -218,23 +213,6 @@ class RolloutEngine:
       prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32)
       lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
       return dec.jit_prefill(dcfg).lower(self.gdef, self.tstate, st, prompts, lengths).compile()
-    if kind == "vanilla":
-      return dec.jit_vanilla(dcfg).lower(self.gdef, self.tstate, st).compile()
-    if kind == "sync":
-      return dec.jit_sync().lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
-    if kind == "draft" and strategy.lookup:
-      vocab = self.model_config.vocab_size
-      return jax.jit(lambda st: lookup.lookup_draft(st, strategy, vocab)).lower(st).compile()
-    if kind == "draft":
-      return dec.jit_draft(strategy).lower(self.gdef, self.tstate, self.dgdef, self.dstate, st).compile()
-    if kind == "verify" and strategy.lookup:
-      vocab = self.model_config.vocab_size
-      trees = jax.eval_shape(lambda s: lookup.lookup_draft(s, strategy, vocab)[0], st)
-      return dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
-    if kind == "verify":
-      trees = jax.eval_shape(lambda s: dec.draft(nnx.merge(self.gdef, self.tstate),
-                                                 nnx.merge(self.dgdef, self.dstate), s, strategy)[0], st)
-      return dec.jit_verify(dcfg).lower(self.gdef, self.tstate, st, trees).compile()
     if kind == "vloop":
       return fused.jit_vanilla_loop(dcfg).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
     if kind == "sloop":
@@ -259,10 +237,8 @@ class RolloutEngine:
     return {bucket_of(r, c.batch_buckets) for r in range(1, max(c.spec_threshold, 2))}
 
   def _shrink_targets(self, b: int) -> list[int]:
-    """Buckets a batch of bucket ``b`` can shrink to. Fused: a long-tail bucket (from the full
-    batch, then from tail bucket to tail bucket); per-step: any smaller bucket."""
-    if not self.config.fused:
-      return [nb for nb in self.config.batch_buckets if nb < b]
+    """Buckets a batch of bucket ``b`` can shrink to: a long-tail bucket (from the full batch,
+    then from tail bucket to tail bucket)."""
     return sorted(nb for nb in self._tail_buckets() if nb < b)
 
   def precompile(self, buckets: Sequence[int] | None = None, speculative: bool | None = None):
@@ -278,29 +254,17 @@ class RolloutEngine:
       self._exe("pad", b)
       for nb in self._shrink_targets(b):
         self._exe(f"take{nb}", b)
-      if self.config.fused:
-        self._exe("vloop", b)
-        # The long tail runs on the ``tail`` buckets (``force_strategy`` speculates on any bucket:
-        # measurements at a fixed batch warm those up themselves).
-        if spec and b in tail:
-          for s in self.config.strategies:
-            if s.lookup:
-              self._exe("lloop", b, s)
-            elif self.dstate is not None:
-              self._exe("sloop", b, s)
-        if self.config.uses_references:
-          self._exe("setref", b)
-        continue
-      self._exe("vanilla", b)
+      self._exe("vloop", b)
+      # The long tail runs on the ``tail`` buckets (``force_strategy`` speculates on any bucket:
+      # measurements at a fixed batch warm those up themselves).
+      if spec and b in tail:
+        for s in self.config.strategies:
+          if s.lookup:
+            self._exe("lloop", b, s)
+          elif self.dstate is not None:
+            self._exe("sloop", b, s)
       if self.config.uses_references:
         self._exe("setref", b)
-      if spec and b < max(self.config.spec_threshold + self.config.hysteresis, 2):
-        if self.dstate is not None and self.config.needs_drafter:
-          self._exe("sync", b)
-        for s in self.config.strategies:
-          if s.lookup or self.dstate is not None:
-            self._exe("draft", b, s)
-            self._exe("verify", b, s)
 
   # ---- rollout ---------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], *, seed: int = 0,
@@ -347,81 +311,15 @@ class RolloutEngine:
              "strategy": [], "spec_seconds": 0.0, "vanilla_seconds": 0.0, "shrinks": 0,
              "prefill_seconds": time.perf_counter() - t_prefill}
     t_start = time.perf_counter()
-    if c.fused:
-      state, rows = self._run_fused(state, rows, results, n, stats, speculate, on_long_tail,
-                                    force_strategy, refs)
-      return self._finish(state, rows, results, n, stats, t_start, arrs)
-    spec_on, synced, tail_called = False, False, False
-    while True:
-      done = np.asarray(state.done)
-      running = int((~done).sum())
-      if running == 0:
-        break
-      new_b = bucket_of(running, c.batch_buckets)
-      if new_b < len(rows):  # shrink the batch: harvest finished rows, keep the running ones
-        state, rows = self._shrink(state, rows, done, new_b, results, n, refs)
-        stats["shrinks"] += 1
-        continue
-      want_spec = speculate and (force_strategy is not None or running < c.spec_threshold or
-                                     (spec_on and running < c.spec_threshold + c.hysteresis))
-      if want_spec and not spec_on and on_long_tail is not None and not tail_called:
-        on_long_tail()
-        tail_called = True
-      if want_spec != spec_on:
-        spec_on, synced = want_spec, False
-      b = len(rows)
-      t0 = time.perf_counter()
-      arm = self.bandit.select(running) if spec_on and force_strategy is None else None
-      vanilla_arm = arm == len(c.strategies)  # the bandit chose not to draft this step
-      strategy = None
-      if spec_on and not vanilla_arm:
-        strategy = force_strategy if arm is None else c.strategies[arm]
-      has = None
-      if strategy is not None and strategy.lookup:  # no drafter; a vanilla step if nothing matches
-        trees, has = self._exe("draft", b, strategy)(state)
-        has = bool((np.asarray(has) & ~done).any())
-      if has or (strategy is not None and not strategy.lookup):
-        if has is None and not synced:
-          state = self._exe("sync", b)(self.tstate, self.dstate, state)
-          synced = True
-        if has is None:
-          trees, state = self._exe("draft", b, strategy)(self.tstate, self.dstate, state)
-        state, n_acc = self._exe("verify", b, strategy)(self.tstate, state, trees)
-        n_acc = np.asarray(n_acc)
-        dt = time.perf_counter() - t0
-        acc = n_acc[n_acc >= 0]
-        tokens = float((acc + 1).sum())
-        if arm is not None:
-          self.bandit.update(running, arm, tokens / dt)
-        stats["spec_steps"] += 1
-        stats["spec_seconds"] += dt
-        stats["accepted"].append(float(acc.mean()) if len(acc) else 0.0)
-        stats["spec_batch"].append(running)
-        stats["strategy"].append(strategy.name)
-        synced = synced and not strategy.lookup  # lookup rounds leave the drafter cache behind
-      else:
-        state = self._exe("vanilla", b)(self.tstate, state)
-        state.done.block_until_ready()
-        dt = time.perf_counter() - t0
-        stats["vanilla_steps"] += 1
-        stats["vanilla_seconds"] += dt
-        if strategy is not None:  # a lookup round without a match: counts as a round, 0 accepted
-          stats["lookup_plain_rounds"] = stats.get("lookup_plain_rounds", 0) + 1
-          stats["spec_batch"].append(running)
-          stats["strategy"].append(strategy.name)
-          stats["accepted"].append(0.0)
-          synced = False
-          if arm is not None:
-            self.bandit.update(running, arm, running / dt)
-        if vanilla_arm:  # rewarded in tokens/s like the strategies; the drafter cache misses it
-          self.bandit.update(running, arm, running / dt)
-          stats["strategy"].append("vanilla")
-          synced = False
+    state, rows = self._run_phases(state, rows, results, n, stats, speculate, on_long_tail,
+                                   force_strategy, refs)
     return self._finish(state, rows, results, n, stats, t_start, arrs)
 
-  def _run_fused(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy,
-                 refs=None):
-    """On-device phases (see ``RolloutConfig.fused``); fills ``stats`` like the step loop."""
+  def _run_phases(self, state, rows, results, n, stats, speculate, on_long_tail, force_strategy,
+                  refs=None):
+    """The rollout's on-device phases (module docstring): the full batch's vanilla loop, then
+    one long-tail loop per bucket. Fills ``stats``: steps (vanilla steps and speculative rounds),
+    seconds, shrinks, and per tail loop its batch, strategy and accepted tokens."""
     c = self.config
     if force_strategy is None:  # phase 1: full batch, vanilla, until the long tail starts
       t0 = time.perf_counter()

@@ -16,9 +16,10 @@ last long response should not run at the bucket its phase started in.
 * ``lookup_loop``: the same rounds drafted by ``lookup.lookup_draft`` (no drafter model); a round
   where no running row found a match is one vanilla step instead of a verify.
 
-Both loops are the decoding core's ``while_running`` over the same step functions as the per-step engine (``decode.vanilla_step``,
-``decode.draft``, ``decode.verify``), so outputs are identical; the vanilla baseline is compiled
-the same way, so a TLT-vs-vanilla comparison measures speculation, not dispatch overhead.
+Every loop is the decoding core's ``while_running`` over the step functions of ``decode``
+(``vanilla_step``, ``draft``, ``verify``); these loops are the rollout engine's only decode path.
+The vanilla baseline is compiled the same way, so a TLT-vs-vanilla comparison measures
+speculation, not dispatch overhead.
 """
 
 from __future__ import annotations

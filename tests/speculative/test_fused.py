@@ -1,4 +1,4 @@
-"""Fused (one while_loop per phase) rollouts == the per-step engine == vanilla greedy, token for token.
+"""The rollout engine's on-device phases (one while_loop per phase) == vanilla greedy, token for token.
 
 Uses the trained setup of ``test_lossless_greedy`` (drafts partly accepted, partly rejected).
 """
@@ -18,7 +18,7 @@ def fused_engine(setup):  # noqa: F811
   model, drafter, engine, _, _ = setup
   # Four of the eight reference rows stop within 6 tokens: the long tail starts with 4 running
   # rows (< spec_threshold=5), which the engine moves to the 4-row bucket.
-  cfg = dataclasses.replace(engine.config, fused=True, spec_threshold=5, batch_buckets=(1, 4, 8))
+  cfg = dataclasses.replace(engine.config, spec_threshold=5, batch_buckets=(1, 4, 8))
   return RolloutEngine(model, drafter, cfg, pool=engine.pool)
 
 
@@ -41,8 +41,8 @@ def test_fused_phases_equal_vanilla(setup, fused_engine, speculative):  # noqa: 
   assert res.tokens == ref
   assert res.stats["vanilla_steps"] > 0 and res.stats["shrinks"] >= 1
   assert (res.stats["spec_steps"] > 0) == speculative == bool(calls)
-  step = engine.generate(prompts, speculative=False)
-  for a, b, fa, fb in zip(res.sequences, step.sequences, res.features, step.features):
+  base = fused_engine.generate(prompts, speculative=False)
+  for a, b, fa, fb in zip(res.sequences, base.sequences, res.features, base.features):
     # A verify round may commit accepted tokens past max_new (they are not emitted): compare
     # the history both runs committed.
     k = min(len(a), len(b))
@@ -50,11 +50,10 @@ def test_fused_phases_equal_vanilla(setup, fused_engine, speculative):  # noqa: 
     np.testing.assert_allclose(fa[:k], fb[:k], atol=1e-4)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per_step"])
-def test_vanilla_arm_is_explored_and_lossless(setup, fused):  # noqa: F811
+def test_vanilla_arm_is_explored_and_lossless(setup):  # noqa: F811
   """With ``vanilla_arm`` the bandit may decode the long tail without drafting; outputs unchanged."""
   model, drafter, engine, prompts, ref = setup
-  cfg = dataclasses.replace(engine.config, fused=fused, spec_threshold=5, batch_buckets=(1, 4, 8),
+  cfg = dataclasses.replace(engine.config, spec_threshold=5, batch_buckets=(1, 4, 8),
                             vanilla_arm=True, epsilon=0.0)
   eng = RolloutEngine(model, drafter, cfg, pool=engine.pool)
   n_arms = len(cfg.strategies) + 1
@@ -74,7 +73,7 @@ def test_long_tail_shrinks_per_bucket(setup, strategy):  # noqa: F811
   model, drafter, engine, prompts, ref = setup
   out = {}
   for shrink_tail in (True, False):
-    cfg = dataclasses.replace(engine.config, fused=True, spec_threshold=8, batch_buckets=(1, 2, 4, 8),
+    cfg = dataclasses.replace(engine.config, spec_threshold=8, batch_buckets=(1, 2, 4, 8),
                               shrink_tail=shrink_tail)
     eng = RolloutEngine(model, drafter, cfg, pool=engine.pool)
     res = eng.generate(prompts, force_strategy=strategy, speculative=strategy is not None)

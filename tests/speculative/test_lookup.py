@@ -1,6 +1,6 @@
 """Lookup drafting (``jaxsys.speculative.lookup``): the match rule against a plain Python twin,
-references and siblings, and greedy lookup decoding == vanilla token for token (fused and
-per-step engines, batch 1 and 8, no drafter model)."""
+references and siblings, and greedy lookup decoding == vanilla token for token (batch 1 and 8,
+no drafter model)."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -81,15 +81,13 @@ def test_build_references_joins_with_separators_and_keeps_the_newest():
 def lookup_engines(setup):  # noqa: F811
   model, _, engine, prompts, ref = setup
   base = dict(strategies=(LOOK,), max_new=12, max_prompt=8, stop_tokens=(STOP,), lookup_ref=32)
-  return {fused: RolloutEngine(model, None, RolloutConfig(
-      **base, fused=fused, batch_buckets=(1, 4, 8), spec_threshold=5)) for fused in (True, False)}
+  return RolloutEngine(model, None, RolloutConfig(**base, batch_buckets=(1, 4, 8), spec_threshold=5))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per_step"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_greedy_lookup_equals_vanilla_without_a_drafter(setup, lookup_engines, fused, batch):  # noqa: F811
+def test_greedy_lookup_equals_vanilla_without_a_drafter(setup, lookup_engines, batch):  # noqa: F811
   _, _, _, prompts, ref = setup
-  eng = lookup_engines[fused]
+  eng = lookup_engines
   res = eng.generate(prompts[:batch], force_strategy=LOOK)
   assert res.tokens == ref[:batch]
   # With the vanilla answers as references, most drafts are accepted: the round is exercised.
@@ -98,19 +96,18 @@ def test_greedy_lookup_equals_vanilla_without_a_drafter(setup, lookup_engines, f
   assert res.stats["mean_accepted"] > 1.0 and res.stats["spec_steps"] > 0
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per_step"])
-def test_lookup_long_tail_with_siblings_equals_vanilla(setup, lookup_engines, fused):  # noqa: F811
+def test_lookup_long_tail_with_siblings_equals_vanilla(setup, lookup_engines):  # noqa: F811
   """Bandit-chosen lookup in the long tail after a shrink (references rebuilt with the finished
   rows of identical prompts): same tokens as vanilla."""
   _, _, _, prompts, ref = setup
   ps = prompts[:4] + prompts[:4]                            # every prompt twice: siblings
-  res = lookup_engines[fused].generate(ps)
+  res = lookup_engines.generate(ps)
   assert res.tokens == ref[:4] + ref[:4]
   assert res.stats["shrinks"] >= 1
 
 
 def test_references_hold_the_prompts_references_then_finished_siblings(lookup_engines):
-  eng = lookup_engines[True]
+  eng = lookup_engines
   arrs = [np.array([1, 2]), np.array([3]), np.array([1, 2])]
   results = {2: ([7, 8, STOP], None, None), 1: ([9], None, None)}
   user = [[np.array([4, 4], np.int32)], [], []]
@@ -131,7 +128,7 @@ def test_lookup_errors(setup, lookup_engines):  # noqa: F811
     RolloutEngine(model, None, RolloutConfig(strategies=(LOOK, Strategy.chain(3))))
   with pytest.raises(ConfigError, match="lookup_ref > 0"):
     engine.generate(prompts[:1], references=[[[1, 2]]])
-  eng = lookup_engines[True]
+  eng = lookup_engines
   with pytest.raises(InputError, match="references has 2 entries for 1 prompts"):
     eng.generate(prompts[:1], references=[[], []])
   with pytest.raises(InputError, match=r"references\[0\]\[1\] must be a 1-D sequence of token ids"):

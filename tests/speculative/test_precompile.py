@@ -40,13 +40,12 @@ def count_compiles():
 
 
 def test_precompiled_rollouts_compile_nothing():
-  fused = True  # the engine the experiment times; the per-step engine shares the pool code
   model = random_model(CFG, 0)
   drafter = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
   engine = RolloutEngine(model, drafter, RolloutConfig(
       strategies=(Strategy.chain(2), Strategy(2, 2, 3)), max_new=10, max_prompt=6,
       batch_buckets=(1, 4, 8), spec_threshold=5, stop_tokens=(3, 4, 5),
-      sampling=SamplingParams(1.0), fused=fused))
+      sampling=SamplingParams(1.0)))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(6, CFG.vocab_size, size=int(rng.integers(2, 6))).tolist() for _ in range(8)]
   with count_compiles() as before:

@@ -35,7 +35,7 @@ def smol_spec(smollm2):
   drafter = EagleDrafter(DrafterConfig.for_target(model.config, draft_vocab=1024), rngs=nnx.Rngs(0))
   engine = RolloutEngine(model, drafter, RolloutConfig(
       strategies=(CHAIN, TREE), max_new=MAX_NEW, max_prompt=max(map(len, prompts)),
-      batch_buckets=(8,), stop_tokens=stops, fused=True))
+      batch_buckets=(8,), stop_tokens=stops))
   res = engine.generate(prompts, speculative=False)
   drafter.set_draft_vocab(top_token_ids(res.sequences, 1024, model.config.vocab_size,
                                         res.prompt_lengths))
