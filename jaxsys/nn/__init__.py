@@ -1,16 +1,28 @@
-"""Flax NNX layers built on ``jaxsys.ops``: RMSNorm, RoPE, SwiGLU MLP, GQA attention.
+"""Flax NNX layers built on ``jaxsys.ops``, for use inside any ``nnx.Module``.
 
-Parameters carry ``logical_axes`` metadata; :func:`shard_params` places a module on a mesh by
+Every layer takes ``[..., features]`` inputs (graph layers ``[..., nodes, features]``; the A2Q
+graph convolutions ``[nodes, features]``), ``dtype`` / ``param_dtype``, and carries
+``logical_axes`` metadata on its parameters: :func:`shard_params` places a module on a mesh by
 ``jaxsys.core.mesh`` rules, and :func:`constrain` annotates activations.
+
+Layers: :class:`Attention` (GQA + RoPE), :class:`RMSNorm`, :class:`Embed`, :class:`SwiGLU`,
+:class:`GraphAttention`, :class:`GCNConv`, :class:`DegreeEncoding`, :class:`QuantLinear`,
+:class:`QuantGCNConv`, :class:`QuantGINConv`, :class:`QuantGATConv`, :class:`LIF`,
+:class:`SpikingLinear`.
 """
 
 from jaxsys._lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "RMSNorm": "layers", "Embed": "layers", "SwiGLU": "layers", "constrain": "layers",
-    "param": "layers", "param_specs": "layers", "shard_params": "layers",
-    "RopeConfig": "rope", "apply_rope": "rope", "inv_frequencies": "rope",
-    "rope_cos_sin": "rope",
+_EXPORTS = {
+    "RMSNorm": "layers", "Embed": "layers", "SwiGLU": "layers", "DecodeWeight": "layers",
+    "constrain": "layers", "param": "layers", "param_specs": "layers", "shard_params": "layers",
+    "RopeConfig": "rope", "apply_rope": "rope", "inv_frequencies": "rope", "rope_cos_sin": "rope",
     "Attention": "attention", "default_attention_fn": "attention",
+    "GraphAttention": "graph", "GCNConv": "graph", "DegreeEncoding": "graph",
+    "GraphInputs": "graph", "graph_inputs": "graph",
+    "QuantLinear": "quantized", "QuantGCNConv": "quantized", "QuantGINConv": "quantized",
+    "QuantGATConv": "quantized", "A2QConfig": "quantized",
     "LIF": "spiking", "LIFConfig": "spiking", "SpikingLinear": "spiking", "spike_count": "spiking",
-})
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -41,7 +41,21 @@ def default_attention_fn(impl: str = "auto") -> Callable:
 
 
 class Attention(nnx.Module):
-  """Causal (optionally sliding-window) GQA self-attention with RoPE."""
+  """Causal (optionally sliding-window) grouped-query self-attention with RoPE.
+
+  ``x [..., seq, dim]``, ``positions int[..., seq]`` -> ``[..., seq, dim]`` in ``dtype`` (any
+  number of leading batch axes without a cache; ``[batch, seq, dim]`` with one). Parameters
+  ``wq [dim, heads, head_dim]``, ``wk, wv [dim, kv_heads, head_dim]``, ``wo [heads, head_dim,
+  dim]`` (logical ``embed`` / ``heads`` / ``kv_heads`` / ``head_dim``) in ``param_dtype``, with
+  optional biases ``bq, bk, bv`` (``qkv_bias``, Qwen2) and ``bo``.
+
+  Example::
+
+    attn = Attention(64, heads=4, kv_heads=2, head_dim=16, rope=RopeConfig(), rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 8, 64))
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    y, _ = attn(x, pos)                       # [2, 8, 64]
+  """
 
   def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                rope: RopeConfig, qkv_bias: bool = False, o_bias: bool = False,
@@ -140,6 +154,11 @@ class Attention(nnx.Module):
     With one (see ``jaxsys.decoding.cache``), the cache writes this layer's new keys/values
     where it keeps them and computes the attention: ``cache.attend(layer, self, q, k, v)``.
     """
+    if cache is None and x.ndim != 3 and x.ndim >= 2:  # [..., seq, dim]: one flat batch axis
+      lead, seq = x.shape[:-2], x.shape[-2]
+      flat = lambda t: None if t is None else jnp.reshape(t, (-1, seq))  # noqa: E731
+      out, _ = self(x.reshape(-1, seq, x.shape[-1]), flat(positions), segment_ids=flat(segment_ids))
+      return out.reshape(*lead, seq, self.dim), None
     q, k, v = self.project_qkv(x, positions)
     if cache is None:
       return self.project_out(self.attend(q, k, v, segment_ids=segment_ids)), None

@@ -24,7 +24,7 @@ from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logical_to_spec
 
 __all__ = [
-    "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
+    "activation_axes", "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
     "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "state_bytes_per_device", "SwiGLU", "take_rows",
 ]
 
@@ -40,6 +40,17 @@ def constrain(x, logical: Sequence[str | None], rules=None):
   if mesh is None or mesh.empty or mesh.size == 1:
     return x
   return hint(x, logical_to_spec(logical, mesh, rules), mesh)
+
+
+def activation_axes(ndim: int, last: str | None) -> tuple[str | None, ...]:
+  """Logical names of an ``[..., last]`` activation of rank ``ndim``: ``[batch, seq, last]`` at
+  rank 3 (the decoder's layout), ``[batch, ..., seq, last]`` above, ``[batch, last]`` at rank 2,
+  so a layer takes any number of leading axes (as ``nnx.Linear`` does) and is still sharded by
+  the rules table."""
+  if ndim < 1:
+    raise ShapeError(f"an activation needs a feature axis, got rank {ndim}")
+  lead = ("batch", "seq")[:ndim - 1] if ndim <= 3 else ("batch",) + (None,) * (ndim - 3) + ("seq",)
+  return (*lead, last)
 
 
 def take_rows(table, ids):
@@ -254,22 +265,43 @@ class DecodeWeight(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square norm over the last axis; statistics in float32, output in x's dtype."""
+  """Root-mean-square norm over the last axis (Zhang & Sennrich, 2019).
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32,
-               rngs: nnx.Rngs | None = None):
-    del rngs
-    self.eps = float(eps)
+  ``x [..., dim] -> [..., dim]``: ``scale * x / sqrt(mean(x^2) + eps)``; statistics in float32,
+  output in ``dtype`` (default: x's dtype). Parameter ``weight [dim]`` (logical ``("embed",)``),
+  initialised to ones. Takes no ``rngs``: nothing in it is random.
+
+  Example::
+
+    norm = RMSNorm(64, eps=1e-6)
+    y = norm(jnp.ones((2, 8, 64)))          # [2, 8, 64]
+  """
+
+  def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None, param_dtype=jnp.float32):
+    self.dim, self.eps, self.dtype = dim, float(eps), dtype
     self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("embed",))
 
   def __call__(self, x):
+    if x.shape[-1] != self.dim:
+      raise ShapeError(f"x must end in {self.dim} features, got shape {x.shape}")
+    dtype = self.dtype or x.dtype
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+    return self.weight[...].astype(dtype) * normed.astype(dtype)
 
 
 class Embed(nnx.Module):
-  """Token embedding table ``[vocab, embed]``; ``attend`` multiplies by its transpose (tied head)."""
+  """Token embedding table ``weight [vocab, embed]`` (logical ``("vocab", "embed")``).
+
+  ``tokens int[...] -> [..., embed]`` in ``dtype``; ``attend(h [..., embed]) -> [..., vocab]``
+  multiplies by the table's transpose (a tied LM head).
+
+  Example::
+
+    embed = Embed(1000, 64, rngs=nnx.Rngs(0))
+    h = embed(jnp.zeros((2, 8), jnp.int32))   # [2, 8, 64]
+    logits = embed.attend(h)                  # [2, 8, 1000]
+  """
 
   def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -287,17 +319,27 @@ class Embed(nnx.Module):
     if self.packed is not None:
       out = self.packed.rows_at(tokens).astype(self.dtype)
     else:
-      out = take_rows(self.weight[...], tokens).astype(self.dtype)  # [batch, seq, embed]
-    return constrain(out, ("batch", "seq", "embed"))
+      out = take_rows(self.weight[...], tokens).astype(self.dtype)  # [..., embed]
+    return constrain(out, activation_axes(out.ndim, "embed"))
 
   def attend(self, h):
     if self.packed is not None:
-      return self.packed(h)  # [batch, seq, vocab] float32
-    return jnp.einsum("bsd,vd->bsv", h, self.weight[...].astype(h.dtype))  # [batch, seq, vocab]
+      return self.packed(h)  # [..., vocab] float32
+    return jnp.einsum("...d,vd->...v", h, self.weight[...].astype(h.dtype))  # [..., vocab]
 
 
 class SwiGLU(nnx.Module):
-  """``down(silu(x @ gate) * (x @ up))`` with gate/up ``[embed, mlp]`` and down ``[mlp, embed]``."""
+  """SwiGLU MLP (Shazeer, 2020): ``down(silu(x @ gate) * (x @ up))``.
+
+  ``x [..., dim] -> [..., dim]`` in ``dtype``; parameters gate/up ``[dim, hidden]`` (logical
+  ``("embed", "mlp")``) and down ``[hidden, dim]`` (``("mlp", "embed")``), stored in
+  ``param_dtype``.
+
+  Example::
+
+    mlp = SwiGLU(64, 256, rngs=nnx.Rngs(0))
+    y = mlp(jnp.ones((2, 8, 64)))             # [2, 8, 64]
+  """
 
   def __init__(self, dim: int, hidden: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -318,14 +360,15 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x):
     x = x.astype(self.dtype)
+    hid, out_axes = activation_axes(x.ndim, "mlp"), activation_axes(x.ndim, "embed")
     if self.packed_gate_up is not None:
-      gu = self.packed_gate_up(x).astype(self.dtype)                     # [batch, seq, 2 * mlp]
+      gu = self.packed_gate_up(x).astype(self.dtype)                     # [..., 2 * mlp]
       g, u = jnp.split(gu, 2, axis=-1)
-      h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
+      h = constrain(jax.nn.silu(g) * u, hid)
       out = self.packed_down(h).astype(self.dtype)
-      return constrain(out, ("batch", "seq", "embed"))
-    g = jnp.einsum("bsd,dm->bsm", x, self.gate[...].astype(self.dtype))  # [batch, seq, mlp]
-    u = jnp.einsum("bsd,dm->bsm", x, self.up[...].astype(self.dtype))
-    h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
-    out = jnp.einsum("bsm,md->bsd", h, self.down[...].astype(self.dtype))  # [batch, seq, embed]
-    return constrain(out, ("batch", "seq", "embed"))
+      return constrain(out, out_axes)
+    g = jnp.einsum("...d,dm->...m", x, self.gate[...].astype(self.dtype))  # [..., mlp]
+    u = jnp.einsum("...d,dm->...m", x, self.up[...].astype(self.dtype))
+    h = constrain(jax.nn.silu(g) * u, hid)
+    out = jnp.einsum("...m,md->...d", h, self.down[...].astype(self.dtype))  # [..., embed]
+    return constrain(out, out_axes)

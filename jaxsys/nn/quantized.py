@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, InputError, check_min, check_range
+from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_range
 from jaxsys.quant import a2q
 
 __all__ = [
@@ -117,34 +117,60 @@ class FeatureQuantizer(nnx.Module):
 class WeightQuantizer(nnx.Module):
   """A2Q weight quantizer, one (step, bits) per output channel, initialised from the weights."""
 
-  def __init__(self, kernel, cfg: A2QConfig):
+  def __init__(self, kernel, cfg: A2QConfig, *, out_axis: str | None = None):
+    """``kernel [din, dout]``; ``out_axis``: the logical name of ``dout`` (step / bits ``[1, dout]``
+    shard with the kernel's output channels)."""
     b = jnp.full((1, kernel.shape[-1]), cfg.init_weight_bits, jnp.float32)
-    self.step = StepParam(a2q.init_step_from_data(kernel, b, True, axis=0))
-    self.bits = BitsParam(b)
+    axes = (None, out_axis)
+    self.step = StepParam(a2q.init_step_from_data(kernel, b, True, axis=0), logical_axes=axes)
+    self.bits = BitsParam(b, logical_axes=axes)
 
   def __call__(self, w):
     return a2q.a2q_quantize(w, jnp.abs(self.step[...]) + _EPS, self.bits[...], True, False)
 
 
 class QuantLinear(nnx.Module):
-  """``x @ W_q (+ b)`` with a per-channel A2Q weight quantizer (float when quant is None)."""
+  """``x @ Q(W) (+ b)`` with a per-output-channel A2Q weight quantizer (float when ``quant`` is
+  None or does not quantize weights).
 
-  def __init__(self, din: int, dout: int, quant: A2QConfig | None, *, rngs: nnx.Rngs,
-               use_bias: bool = True):
+  ``x [..., din] -> [..., dout]`` in ``dtype`` (default: x's and the parameters' common type).
+  Parameters ``kernel [din, dout]`` and ``bias [dout]`` in ``param_dtype``, logical axes
+  ``kernel_axes`` (default ``("embed", "mlp")``; the bias takes the second); the quantizer's
+  ``step`` / ``bits [1, dout]`` stay float32.
+
+  Example::
+
+    lin = QuantLinear(64, 32, A2QConfig(init_weight_bits=4), rngs=nnx.Rngs(0))
+    y = lin(jnp.ones((2, 8, 64)))             # [2, 8, 32]
+  """
+
+  def __init__(self, din: int, dout: int, quant: A2QConfig | None = None, *, rngs: nnx.Rngs,
+               use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
+               kernel_axes: tuple[str | None, str | None] = ("embed", "mlp")):
+    if len(kernel_axes) != 2:
+      raise ConfigError(f"{kernel_axes=} must name the 2 kernel axes [din, dout]")
+    kernel_axes = tuple(kernel_axes)
+    self.din, self.dtype = din, dtype
     init = nnx.initializers.glorot_uniform()
-    self.kernel = nnx.Param(init(rngs.params(), (din, dout), jnp.float32))
-    self.bias = nnx.Param(jnp.zeros((dout,), jnp.float32)) if use_bias else None
-    self.wq = (WeightQuantizer(self.kernel[...], quant)
+    w = init(rngs.params(), (din, dout), jnp.float32)
+    self.kernel = nnx.Param(w.astype(param_dtype), logical_axes=kernel_axes)
+    self.bias = (nnx.Param(jnp.zeros((dout,), param_dtype), logical_axes=kernel_axes[1:])
+                 if use_bias else None)
+    self.wq = (WeightQuantizer(w, quant, out_axis=kernel_axes[1])
                if quant is not None and quant.quantize_weights else None)
 
   def quantized_kernel(self):
+    """The kernel the layer multiplies by: ``Q(W) [din, dout]`` (float32 when quantized)."""
     w = self.kernel[...]
-    return self.wq(w) if self.wq is not None else w
+    return self.wq(w.astype(jnp.float32)) if self.wq is not None else w
 
   def __call__(self, x, *, bias: bool = True):
-    y = jnp.einsum("nf,fo->no", x, self.quantized_kernel())  # [nodes, out]
+    if x.ndim < 1 or x.shape[-1] != self.din:
+      raise ShapeError(f"x must be [..., {self.din}], got shape {x.shape}")
+    dtype = self.dtype or jnp.result_type(x.dtype, self.kernel[...].dtype)
+    y = jnp.einsum("...f,fo->...o", x.astype(dtype), self.quantized_kernel().astype(dtype))
     if bias and self.bias is not None:
-      y = y + self.bias[...]
+      y = y + self.bias[...].astype(dtype)
     return y
 
 
@@ -165,7 +191,16 @@ def _scatter(msg, receivers, num_nodes):
 
 
 class QuantGCNConv(nnx.Module):
-  """``D^-1/2 (A+I) D^-1/2 Q(X) Q(W) + b``; edges from ``normalized_edges(..., "gcn")``."""
+  """``D^-1/2 (A+I) D^-1/2 Q(X) Q(W) + b``; edges from ``normalized_edges(..., "gcn")``.
+
+  ``x [nodes, din] -> ([nodes, dout], bits_info)``: node features stay 2-D because the feature
+  quantizer holds one (step, bits) per node row (``num_nodes`` of them, or NNS pairs).
+
+  Example::
+
+    conv = QuantGCNConv(16, 8, num_nodes=100, quant=A2QConfig(), rngs=nnx.Rngs(0))
+    h, bits_info = conv(x, normalized_edges(senders, receivers, 100, "gcn"))
+  """
 
   def __init__(self, din: int, dout: int, *, num_nodes: int, quant: A2QConfig | None,
                rngs: nnx.Rngs, signed_input: bool = False, init_bits=None):
@@ -182,7 +217,15 @@ class QuantGCNConv(nnx.Module):
 
 
 class QuantGINConv(nnx.Module):
-  """``MLP((1 + eps) Q(x_i) + sum_j Q(x_j))`` with quantized MLP inputs; edges unweighted."""
+  """``MLP((1 + eps) Q(x_i) + sum_j Q(x_j))`` with quantized MLP inputs; edges unweighted.
+
+  ``x [nodes, din] -> ([nodes, dout], bits_info)`` (2-D: per-node quantizers, as QuantGCNConv).
+
+  Example::
+
+    conv = QuantGINConv(16, 8, num_nodes=100, quant=A2QConfig(), rngs=nnx.Rngs(0))
+    h, bits_info = conv(x, (senders, receivers, None))
+  """
 
   def __init__(self, din: int, dout: int, *, num_nodes: int, quant: A2QConfig | None,
                rngs: nnx.Rngs, signed_input: bool = False, init_bits=None):
@@ -203,7 +246,16 @@ class QuantGINConv(nnx.Module):
 
 
 class QuantGATConv(nnx.Module):
-  """Multi-head graph attention on quantized features/weights; edges must include self loops."""
+  """Multi-head graph attention on quantized features/weights; edges must include self loops.
+
+  ``x [nodes, din] -> ([nodes, heads * dout] (concat) or [nodes, dout], bits_info)`` (2-D:
+  per-node quantizers, as QuantGCNConv).
+
+  Example::
+
+    conv = QuantGATConv(16, 8, heads=2, num_nodes=100, quant=A2QConfig(), rngs=nnx.Rngs(0))
+    h, bits_info = conv(x, (senders, receivers, None))
+  """
 
   def __init__(self, din: int, dout: int, *, heads: int, num_nodes: int,
                quant: A2QConfig | None, rngs: nnx.Rngs, concat: bool = True,

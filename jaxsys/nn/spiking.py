@@ -94,7 +94,16 @@ def lif_scan(x, inv_tau, v_threshold: float = 1.0):
 
 
 class LIF(nnx.Module):
-  """LIF (fixed tau) or PLIF (learned tau) neuron over ``[T, B, C]`` inputs."""
+  """LIF (fixed tau) or PLIF (learned tau) neuron over time-major inputs.
+
+  ``x [T, ...] -> spikes [T, ...]`` (0/1 in x's dtype); one membrane potential per trailing
+  element. PLIF's parameter ``w`` is a scalar.
+
+  Example::
+
+    lif = LIF(LIFConfig(tau=2.0))
+    s = lif(jnp.ones((4, 2, 8, 16)))          # [4, 2, 8, 16]
+  """
 
   def __init__(self, cfg: LIFConfig = LIFConfig()):
     self.cfg = cfg
@@ -112,11 +121,22 @@ class LIF(nnx.Module):
 
 
 class SpikingLinear(nnx.Module):
-  """``Linear(in, out, no bias) -> LIF``: real-valued (first layer) or spike inputs ``[T, B, in]``."""
+  """``Linear(in, out, no bias) -> LIF``: real-valued (first layer) or spike inputs.
+
+  ``x [T, ..., in] -> spikes [T, ..., out]``; ``linear.kernel [in, out]`` (logical ``("embed",
+  "mlp")``) in ``param_dtype``.
+
+  Example::
+
+    layer = SpikingLinear(16, 32, rngs=nnx.Rngs(0))
+    s = layer(jnp.ones((4, 8, 16)))           # [4, 8, 32]
+  """
 
   def __init__(self, in_features: int, out_features: int, cfg: LIFConfig = LIFConfig(), *,
-               rngs: nnx.Rngs):
-    self.linear = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs,
+                             kernel_metadata={"logical_axes": ("embed", "mlp")})
     self.neuron = LIF(cfg)
 
   def __call__(self, x):
