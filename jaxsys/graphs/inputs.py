@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import jraph
 import numpy as np
 
-from jaxsys.core.errors import InputError, ShapeError
+from jaxsys.core.errors import InputError, ShapeError, check_one_of
 from jaxsys.graphs.blocks import ReformConfig, reform
 from jaxsys.graphs.dataset import check_graph, degrees
 from jaxsys.graphs.padding import node_mask as padding_node_mask
 from jaxsys.ops.graph_attn import GraphTiles
 
-__all__ = ["GraphInputs", "graph_inputs"]
+__all__ = ["DUPLICATES", "GraphInputs", "graph_inputs"]
 
 
 class GraphInputs(NamedTuple):
@@ -40,14 +40,25 @@ class GraphInputs(NamedTuple):
     return int(self.degree.shape[0])
 
 
+DUPLICATES = ("drop", "raise")
+
+
 def graph_inputs(graph: jraph.GraphsTuple, *, self_loops: bool = True,
-                 reform_config: ReformConfig | None = None, padded: bool = False) -> GraphInputs:
+                 reform_config: ReformConfig | None = None, padded: bool = False,
+                 duplicates: str = "drop") -> GraphInputs:
   """Builds ``GraphInputs`` on the host from a (possibly padded / batched) ``GraphsTuple``.
 
   ``self_loops`` appends one self loop per node (the input must have none -- jaxsys datasets
-  never do); shapes stay static: ``E' = E + N``. ``padded``: the last graph is jraph-style
-  padding (``pad_graph``), its nodes are masked out of dense attention.
+  never do); ``padded``: the last graph is jraph-style padding (``pad_graph``), its nodes are
+  masked out of dense attention.
+
+  Attention is over the neighbour *set* (every mode: a dense tile holds one bit per node pair),
+  so a repeated real edge ``s -> r`` would count twice in the sparse softmax only. With
+  ``duplicates="drop"`` (default) repeats are removed (the edge count is ``E' = E - repeats +
+  N``; in a padded graph each repeat becomes a padding-node edge instead, so ``E' = E + N`` stays
+  the bucket's static size); ``duplicates="raise"`` raises ``InputError`` naming the first one.
   """
+  check_one_of("duplicates", duplicates, DUPLICATES)
   n = check_graph(graph)
   n_node = np.asarray(graph.n_node)
   if n_node.sum() != n:
@@ -57,6 +68,17 @@ def graph_inputs(graph: jraph.GraphsTuple, *, self_loops: bool = True,
   real_edge = mask[r]
   if self_loops and np.any((s == r) & real_edge):
     raise InputError("graph already has self loops on real nodes; pass self_loops=False")
+  dup = _repeats(s, r, real_edge)
+  if dup.any():
+    if duplicates == "raise":
+      i = int(np.flatnonzero(dup)[0])
+      raise InputError(f"graph has {int(dup.sum())} repeated edges (first: edge {i}, {s[i]} -> "
+                       f"{r[i]}); pass duplicates='drop' to remove them")
+    if padded:  # keep the static edge count: repeats become edges of the padding node
+      s, r = s.copy(), r.copy()
+      s[dup] = r[dup] = n - int(n_node[-1])
+    else:
+      s, r, real_edge = s[~dup], r[~dup], real_edge[~dup]
   deg = degrees(r[real_edge & (s != r)], n)
   if self_loops:
     ids = np.arange(n, dtype=np.int32)
@@ -71,3 +93,14 @@ def graph_inputs(graph: jraph.GraphsTuple, *, self_loops: bool = True,
     rest_s, rest_r = jnp.asarray(rg.senders), jnp.asarray(rg.receivers)
   return GraphInputs(jnp.asarray(s), jnp.asarray(r), jnp.asarray(deg), jnp.asarray(mask),
                      jnp.asarray(graph_ids), jnp.asarray(n_node, jnp.int32), tiles, rest_s, rest_r)
+
+
+def _repeats(s, r, real):
+  """bool[E]: real edges equal to an earlier real edge (the first copy is kept)."""
+  order = np.lexsort((np.arange(s.size), s, r))   # by receiver, sender, then original position
+  ss, rs = s[order], r[order]
+  same = np.zeros(s.size, bool)
+  same[1:] = (ss[1:] == ss[:-1]) & (rs[1:] == rs[:-1])
+  dup = np.zeros(s.size, bool)
+  dup[order] = same
+  return dup & real
