@@ -7,6 +7,7 @@ small long-context model shipped in ``jaxsys/assets/tiny_lm``.
 ``from_gguf`` / ``save_gguf`` read and write llama.cpp GGUF files (``jaxsys.models.gguf``);
 ``load_pretrained("smollm2-135m-instruct")`` returns a named real model and its tokenizer,
 fetched once with ``jaxsys fetch smollm2-135m-instruct`` (``jaxsys.models.pretrained``).
+``Tokenizer`` (``jaxsys.models.tokenizer``) is the torch-free tokenizer of GGUF files and HF folders.
 """
 
 from jaxsys._lazy import lazy_exports
@@ -19,7 +20,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "random_model": "hf", "config_from_hf": "hf", "config_to_hf": "hf",
     "hf_state_dict": "hf", "load_state_dict": "hf",
     "from_gguf": "gguf", "save_gguf": "gguf", "config_from_gguf": "gguf", "load_tokenizer": "gguf",
-    "load_pretrained": "pretrained", "fetch": "pretrained",
+    "load_pretrained": "pretrained", "fetch": "pretrained", "Tokenizer": "tokenizer",
     "load_tiny_lm": "tiny", "TINY_LM_PATH": "tiny", "exact_match": "tiny",
     "SpikingNeRF": "spiking_nerf", "SpikingNeRFConfig": "spiking_nerf",
     "DATE": "date", "DATEConfig": "date", "date_loss": "date", "make_date_train_step": "date",

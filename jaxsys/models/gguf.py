@@ -3,9 +3,9 @@
 * :func:`from_gguf` reads a GGUF file (``llama`` or ``qwen2`` architecture) with the ``gguf``
   package and dequantizes every tensor to float (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   the K-quants Q2_K..Q6_K, and whatever else :func:`gguf.quants.dequantize` implements).
-* :func:`load_tokenizer` builds the ``transformers`` tokenizer stored in the same file, chat
-  template included (transformers' GGUF tokenizer reader needs torch: ``pip install 'jaxsys[hf]'``),
-  and caches the converted tokenizer under ``$JAXSYS_HOME/tokenizers`` (verified on every read).
+* :func:`load_tokenizer` builds the tokenizer stored in the same file, chat template included
+  (:class:`jaxsys.models.tokenizer.Tokenizer`: the ``tokenizers`` library and jinja2, no torch), and
+  caches it under ``$JAXSYS_HOME/tokenizers``.
 * :func:`save_gguf` writes a GGUF (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q5_1``, ``q5_0``,
   ``q4_1``, ``q4_0``) that llama.cpp tools and
   ``transformers`` (``from_pretrained(dir, gguf_file=...)``) load, e.g. to serve a fine-tune;
@@ -373,78 +373,68 @@ def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Calla
 
 
 def load_tokenizer(path: str | os.PathLike, *, cache: bool = True):
-  """The ``transformers`` tokenizer (with its chat template) stored in a GGUF file.
+  """The :class:`~jaxsys.models.tokenizer.Tokenizer` (with its chat template) stored in a GGUF file.
 
-  transformers converts a GGUF vocabulary into a tokenizer at every load (seconds, and torch must
-  be installed). With ``cache`` the converted tokenizer is saved once under
-  ``$JAXSYS_HOME/tokenizers/`` (keyed by the file's path, size and mtime and the transformers
-  version; written to a temporary folder and renamed into place) and later loads read it back.
-  A cached copy is verified before use (its size and the ids of a probe text, recorded at
-  conversion); a copy that fails the check, or a cache that cannot be written, falls back to
-  converting the file.
+  Built from the ``tokenizer.*`` metadata with the ``tokenizers`` library; no torch, no
+  ``transformers``. Parsing the metadata of a large vocabulary takes seconds, so with ``cache`` the
+  built tokenizer is saved once under ``$JAXSYS_HOME/tokenizers/`` (``save_pretrained``'s files,
+  keyed by the file's path, size and mtime and the ``tokenizers`` version; written to a temporary
+  folder and renamed into place) and later loads read it back. A copy that does not load, or a
+  cache that cannot be written, falls back to building from the file.
   """
+  from jaxsys.models.tokenizer import Tokenizer  # noqa: PLC0415
   path = Path(path)
-  _open(path)
-  from transformers import AutoTokenizer  # noqa: PLC0415  (heavy; only for this entry point)
   folder = _tokenizer_cache_folder(path) if cache else None
   if folder is not None and (tok := _read_cached_tokenizer(folder)) is not None:
     return tok
+  reader = _open(path)
+  meta = {k: _value(f) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
   try:
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-  except (ImportError, ModuleNotFoundError) as e:
-    raise ImportError(f"transformers reads the tokenizer of {path.name} only with torch installed: "
-                      f"pip install 'jaxsys[hf]' ({e})") from e
+    tok = Tokenizer.from_gguf_metadata(meta)
+  except (ConfigError, InputError) as e:
+    raise type(e)(f"{path.name}: {e}") from e
   if folder is not None:
     _write_cached_tokenizer(folder, tok)
   return tok
 
 
-# A probe of the conversion: plain text, digits, a chat turn and non-ASCII.
-_PROBE = "The capital of France is Paris. 1234 + 5678 = 6912\n<|im_start|>user\nCafé, naïve — ok?"
-
-
-def _tokenizer_fingerprint(tok) -> dict:
-  return {"len": len(tok), "probe": tok(_PROBE)["input_ids"],
-          "chat_template": getattr(tok, "chat_template", None)}
+# Bumped when the way a tokenizer is built from GGUF metadata changes (old cached copies are then unused).
+_TOKENIZER_FORMAT = 2
 
 
 def _tokenizer_cache_folder(path: Path) -> Path:
   import hashlib  # noqa: PLC0415
   import json  # noqa: PLC0415
 
-  import transformers  # noqa: PLC0415
+  import tokenizers  # noqa: PLC0415
 
   from jaxsys.models.pretrained import cache_dir  # noqa: PLC0415  (pretrained imports this module)
   st = path.resolve().stat()
-  key = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__])
+  key = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, tokenizers.__version__, _TOKENIZER_FORMAT])
   return cache_dir() / "tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _read_cached_tokenizer(folder: Path):
-  import json  # noqa: PLC0415
-
-  from transformers import AutoTokenizer  # noqa: PLC0415
-  try:
-    expected = json.loads((folder / "jaxsys_fingerprint.json").read_text())
-    tok = AutoTokenizer.from_pretrained(str(folder))
-  except (OSError, ValueError):  # not there yet, or a damaged copy: convert again
+  from jaxsys.models.tokenizer import Tokenizer  # noqa: PLC0415
+  if not (folder / "tokenizer.json").is_file():
     return None
-  return tok if _tokenizer_fingerprint(tok) == expected else None
+  try:
+    return Tokenizer.from_folder(folder)
+  except Exception:  # noqa: BLE001 - a damaged copy (any parse error of the Rust library): build again
+    return None
 
 
 def _write_cached_tokenizer(folder: Path, tok) -> None:
-  import json  # noqa: PLC0415
   import shutil  # noqa: PLC0415
   import tempfile  # noqa: PLC0415
   try:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-  except OSError:  # a read-only cache: every load converts
+  except OSError:  # a read-only cache: every load builds
     return
   try:
-    tok.save_pretrained(str(tmp))
-    (tmp / "jaxsys_fingerprint.json").write_text(json.dumps(_tokenizer_fingerprint(tok)))
-    if folder.exists():  # a stale or damaged copy (the read above refused it)
+    tok.save_pretrained(tmp)
+    if folder.exists():  # a damaged copy (the read above refused it)
       shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
   except OSError:  # another process renamed its copy first, or the disk is full

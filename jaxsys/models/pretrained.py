@@ -173,8 +173,8 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> Path:
 
 def load_pretrained(name: str, dtype=None, **kwargs):
   """``(model, tokenizer)`` for a named model: a :class:`~jaxsys.models.Decoder` (``dtype``
-  default float32; ``kwargs`` go to :func:`~jaxsys.models.from_gguf`) and its ``transformers``
-  tokenizer with the chat template."""
+  default float32; ``kwargs`` go to :func:`~jaxsys.models.from_gguf`) and its tokenizer with the
+  chat template (:class:`~jaxsys.models.tokenizer.Tokenizer`, built from the GGUF; no torch)."""
   import jax.numpy as jnp  # noqa: PLC0415  (this module stays importable without JAX for the CLI)
   from jaxsys.models.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
   path = model_path(name)

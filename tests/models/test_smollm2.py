@@ -276,32 +276,44 @@ def test_command_line(tmp_path, monkeypatch, capsys):
   assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr
 
 
-@REAL
-def test_cached_tokenizer_equals_a_fresh_conversion(smol, tmp_path):
-  """``load_tokenizer`` reads the converted tokenizer back from its cache (the fixture's load wrote
-  it): it equals a fresh conversion of the file; a damaged or mismatched copy is refused."""
-  import json
-  import shutil
+# The held set of the tokenizer parity test: unicode, code, whitespace runs, special tokens in text.
+HELD_TEXTS = [TEXT, "Café, naïve — ok? 日本語のテキスト 😀🚀 Ünïcödé ﬁ", "", " ",
+              "def f(x):\n    return x ** 2  # square\n\tif x:\n\t\tpass\n",
+              "   leading,    runs   of\n\n\n  whitespace \t\t \r\n trailing   ",
+              "<|im_start|>user\nhi<|im_end|><|endoftext|>", "1234567890 + 3.14159 = x"]
+HELD_CHAT = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": "Hi  there\n\n  friend 😀"},
+             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
 
+
+@REAL
+def test_tokenizer_matches_transformers(smol, tmp_path):
+  """The torch-free tokenizer (built from the GGUF metadata, read back from its cache) gives
+  transformers' ids and text on the held set, chat template with and without a system turn; its
+  saved folder loads in AutoTokenizer with the same ids; a damaged cached copy is rebuilt."""
   from jaxsys.models import gguf
+  from jaxsys.models.tokenizer import Tokenizer
+  ref = smol.transformers.AutoTokenizer.from_pretrained(str(smol.path.parent), gguf_file=smol.path.name)
   folder = gguf._tokenizer_cache_folder(smol.path)
-  assert (folder / "jaxsys_fingerprint.json").is_file()
-  cached = gguf._read_cached_tokenizer(folder)
+  assert isinstance(smol.tok, Tokenizer) and (folder / "tokenizer.json").is_file()
   fresh = gguf.load_tokenizer(smol.path, cache=False)
-  texts = [TEXT, "Café 1234 — ok?", "<|im_start|>user\nhi<|im_end|>"]
-  assert len(cached) == len(fresh) and cached.chat_template == fresh.chat_template
-  assert [cached(t)["input_ids"] for t in texts] == [fresh(t)["input_ids"] for t in texts]
-  chat = [{"role": "user", "content": "What is the capital of France?"}]
-  assert P._chat_ids(cached, chat) == P._chat_ids(fresh, chat)
-  assert (cached.eos_token_id, cached.pad_token_id, cached.bos_token_id) == \
-      (fresh.eos_token_id, fresh.pad_token_id, fresh.bos_token_id)
-  # A copy whose recorded fingerprint does not match, or whose files are damaged, is not used.
+  fresh.save_pretrained(tmp_path / "tok")
+  saved = smol.transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+  for ours in (smol.tok, fresh, saved):
+    for text in HELD_TEXTS:
+      ids = ref(text)["input_ids"]
+      assert ours(text)["input_ids"] == ids, text
+      for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    for chat in (HELD_CHAT, HELD_CHAT[1:]):
+      want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+      assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == want
+      assert P._chat_ids(ours, chat) == P._chat_ids(ref, chat)
+    assert (len(ours), ours.eos_token_id, ours.pad_token_id, ours.bos_token_id, ours.unk_token_id) == \
+        (len(ref), ref.eos_token_id, ref.pad_token_id, ref.bos_token_id, ref.unk_token_id)
+  # A damaged cached copy is not used: the next load builds from the file again.
   bad = tmp_path / "bad"
-  shutil.copytree(folder, bad)
-  record = json.loads((bad / "jaxsys_fingerprint.json").read_text())
-  (bad / "jaxsys_fingerprint.json").write_text(json.dumps(dict(record, len=record["len"] + 1)))
-  assert gguf._read_cached_tokenizer(bad) is None
-  (bad / "jaxsys_fingerprint.json").write_text(json.dumps(record))
+  fresh.save_pretrained(bad)
   (bad / "tokenizer.json").write_text("{ truncated")
   assert gguf._read_cached_tokenizer(bad) is None
   assert gguf._read_cached_tokenizer(tmp_path / "missing") is None
