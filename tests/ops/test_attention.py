@@ -74,6 +74,10 @@ def check_against_reference(q, k, v, ct, kw, block=(16, 16)):
 
 
 _LAYOUT = np.random.RandomState(1).rand(4, 3, 4) < 0.45
+_R = np.random.RandomState(3)
+_DENSE_MASK = jnp.asarray((_R.rand(2, 1, 24, 24) < 0.5) | np.eye(24, dtype=bool))        # [b, 1, q, k]
+_ADDITIVE = jnp.asarray(np.where(_R.rand(1, 4, 20, 28) < 0.3, -np.inf, 0.0), jnp.float32)  # [1, h, q, k]
+_BIAS = jnp.asarray(_R.randn(1, 1, 20, 28), jnp.float32)
 _CASES = {
     # name: (b, tq, tk, h, hk, d, kwargs)
     "full": (2, 40, 40, 2, 2, 16, {}),
@@ -90,7 +94,14 @@ _CASES = {
     "decode_traced_offset": (2, 1, 53, 4, 2, 16, {"mask": M.Causal(), "q_offset": jnp.array([20, 52]),
                                                   "kv_lengths": jnp.array([21, 53])}),
     "chunk_static_offset": (1, 7, 53, 2, 1, 8, {"mask": M.Sink(4) | M.Local(12), "q_offset": 30}),
+    # dense per-call terms: a boolean mask, an additive mask with a bias, a logit soft cap
+    "dense_bool_mask": (2, 24, 24, 4, 2, 8, {"mask": _DENSE_MASK}),
+    "additive_mask_bias": (1, 20, 28, 4, 1, 8, {"mask": _ADDITIVE, "bias": _BIAS}),
+    "soft_cap_causal_gqa": (1, 40, 40, 4, 2, 8, {"mask": M.Causal(), "logits_soft_cap": 1.5}),
+    "soft_cap_decode": (2, 1, 53, 4, 2, 16, {"mask": M.Causal(), "q_offset": jnp.array([20, 52]),
+                                             "kv_lengths": jnp.array([21, 53]), "logits_soft_cap": 2.0}),
 }
+DENSE_CASES = ["dense_bool_mask", "additive_mask_bias", "soft_cap_causal_gqa", "soft_cap_decode"]
 
 
 @pytest.mark.parametrize("name", sorted(_CASES))
@@ -105,7 +116,7 @@ def test_xla_matches_dense_reference_f32(name):
 _SPLIT = xla.XlaBlockSizes(32, 16, even_q=True, even_k=True,
                            backward=xla.XlaBlockSizes(16, 8, even_q=True, even_k=True))
 _SPLIT_CASES = ["full", "causal_gqa8_rect", "mqa_local_sink", "block_sparse_random",
-                "packed_segments", "decode_traced_offset"]
+                "packed_segments", "decode_traced_offset", "soft_cap_causal_gqa"]
 
 
 @pytest.mark.parametrize("name", _SPLIT_CASES)
@@ -209,6 +220,52 @@ def test_memory_is_linear_in_length():
   r_ours = temp(ours, 2048) / temp(ours, 1024)
   r_naive = temp(naive, 2048) / temp(naive, 1024)
   assert r_ours < 2.6 and r_naive > 3.5, (r_ours, r_naive)
+
+
+def _naive(q, k, v, mask=None, bias=None, logits_soft_cap=None, **_):
+  """softmax(cap(q k^T / sqrt(d)) + bias + additive mask, boolean mask) v, written out (f32)."""
+  h, hk = q.shape[2], k.shape[2]
+  k, v = jnp.repeat(k, h // hk, axis=2), jnp.repeat(v, h // hk, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(q.shape[-1])
+  if logits_soft_cap is not None:
+    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  if bias is not None:
+    s = s + bias
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf) if mask.dtype == jnp.bool_ else s + mask
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+
+
+@pytest.mark.parametrize("name", DENSE_CASES[:3])
+def test_dense_terms_match_naive_formula(name):
+  """The op (auto) against the formula written out, values and gradients (q, k, v and bias)."""
+  b, tq, tk, h, hk, d, kw = _CASES[name]
+  q, k, v, ct = _inputs(b, tq, tk, h, hk, d)
+  if isinstance(kw.get("mask"), M.Mask):
+    kw = {**kw, "mask": jnp.asarray(kw["mask"].dense(tq, tk))[None]}  # the lazy mask, written out
+  bias = kw.pop("bias", jnp.zeros((1, 1, tq, tk)))
+  loss = lambda f: lambda q, k, v, bias: jnp.sum(f(q, k, v, bias=bias, **kw) * ct)  # noqa: E731
+  ours = jax.jit(jax.value_and_grad(loss(attention), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  want = jax.jit(jax.value_and_grad(loss(_naive), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  np.testing.assert_allclose(ours[0], want[0], rtol=1e-5, atol=1e-4)
+  for a, b_ in zip(ours[1], want[1]):
+    np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_terms_are_refused_by_specialised_paths():
+  """xla_decode refuses a dense mask (auto falls back to xla); bad shapes and caps name themselves."""
+  q, k, v, _ = _inputs(1, 2, 16, 2, 1, 8)
+  m = jnp.ones((1, 1, 2, 16), bool)
+  with pytest.raises(NotImplementedError, match="dense mask or bias"):
+    attention(q, k, v, mask=m, kv_lengths=jnp.array([16]), impl="xla_decode")
+  np.testing.assert_allclose(attention(q, k, v, mask=m, kv_lengths=jnp.array([16])),
+                             attention(q, k, v, kv_lengths=jnp.array([16])), atol=1e-6)
+  with pytest.raises(ShapeError, match=r"mask must be a Mask or an array \[batch\|1, heads\|1"):
+    attention(q, k, v, mask=jnp.ones((2, 16), bool))
+  with pytest.raises(ShapeError, match="bias must be"):
+    attention(q, k, v, bias=jnp.ones((1, 3, 2, 16)))
+  with pytest.raises(ShapeError, match="logits_soft_cap=0"):
+    attention(q, k, v, logits_soft_cap=0)
 
 
 # ----------------------------------------------------------------------------- bad input

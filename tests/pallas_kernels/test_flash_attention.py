@@ -79,6 +79,28 @@ def test_interpret_matches_dense_reference(name, backend):
     np.testing.assert_allclose(f32(a), b_, atol=tol * scale, rtol=tol, err_msg=gname)
 
 
+# Per-call terms the kernel does not evaluate: refused before tracing, so ``auto`` (here forced
+# to try the interpreted kernel first) serves them on the XLA path, equal to the dense formula.
+_REFUSED = {
+    "dense_bool_mask": {"mask": jnp.asarray(np.tril(np.ones((16, 16), bool)))[None, None]},
+    "additive_mask_bias": {"mask": jnp.zeros((1, 2, 16, 16)), "bias": jnp.ones((1, 1, 16, 16))},
+    "soft_cap": {"mask": M.Causal(), "logits_soft_cap": 1.5},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED))
+def test_kernel_refuses_dense_terms_and_auto_falls_back(name, monkeypatch):
+  from jaxsys.ops.attn import api
+  q, k, v, _ = _inputs(1, 16, 16, 2, 1, 8)
+  kw = _REFUSED[name]
+  with pytest.raises(NotImplementedError, match="dense mask, bias or logits_soft_cap"):
+    P.pallas_interpreted(common.validate(q, k, v, **kw))
+  monkeypatch.setattr(api.ATTENTION, "_auto", lambda: ("pallas_interpret", "xla"))
+  f = lambda q: attention(q, k, v, **kw).sum()  # noqa: E731
+  g = lambda q: attention(q, k, v, impl="reference", **kw).sum()  # noqa: E731
+  np.testing.assert_allclose(jax.grad(f)(q), jax.grad(g)(q), atol=1e-5, rtol=1e-5)
+
+
 def test_public_dispatch_interpret_and_unaligned_block_sparse():
   q, k, v, _ = _inputs(1, 16, 16, 2, 1, 8)
   out = attention(q, k, v, mask=M.Causal(), impl="pallas_interpret")

@@ -89,14 +89,21 @@ def _split_call(call, groups, q, k, v, return_lse: bool):
 
 
 def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "auto",
-              return_lse: bool = False, q_offset=None, kv_lengths=None, check: bool = False):
-  """Multi-head attention ``softmax(q k^T * scale) v`` under a lazy mask.
+              return_lse: bool = False, q_offset=None, kv_lengths=None, check: bool = False,
+              bias=None, logits_soft_cap: float | None = None):
+  """Multi-head attention ``softmax(cap(q k^T * scale) + bias) v`` under a mask.
 
   Args:
     q: ``[batch, q_len, heads, head_dim]``.
     k, v: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads`` (query
       head h reads kv head ``h // (heads // kv_heads)``).
-    mask: a ``jaxsys.ops.masks.Mask`` or None (full attention).
+    mask: a lazy ``jaxsys.ops.masks.Mask`` (the fast path: blocks it hides are skipped), a dense
+      array ``[batch|1, heads|1, q_len, kv_len]`` -- boolean (True: visible) or floating (added to
+      the logits, e.g. 0 / -inf) -- or None (full attention). A dense array runs the dense
+      formula (``xla``; the Pallas kernels refuse it and ``auto`` falls back).
+    bias: floating ``[batch|1, heads|1, q_len, kv_len]`` added to the logits (differentiable).
+    logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)`` (Gemma 2), applied
+      after ``scale`` and before ``bias`` and the mask.
     segment_ids: ``int[batch, len]`` (q_len == kv_len) or a pair ``(q_ids, kv_ids)``; tokens
       attend only within equal ids (packed sequences).
     scale: logit scale, default ``1/sqrt(head_dim)``.
@@ -114,12 +121,13 @@ def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "
     ``lse`` when ``return_lse``.
   """
   ATTENTION.check(impl)
-  groups = None if impl == "reference" else head_groups(mask, q, k)
+  groups = None if impl == "reference" or bias is not None else head_groups(mask, q, k)
   if groups is not None:
     call = functools.partial(attention, segment_ids=segment_ids, scale=scale, impl=impl,
-                             q_offset=q_offset, kv_lengths=kv_lengths, check=check)
+                             q_offset=q_offset, kv_lengths=kv_lengths, check=check,
+                             logits_soft_cap=logits_soft_cap)
     return _split_call(call, groups, q, k, v, return_lse)
   args = validate(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, q_offset=q_offset,
-                  kv_lengths=kv_lengths, check=check)
+                  kv_lengths=kv_lengths, check=check, bias=bias, logits_soft_cap=logits_soft_cap)
   out, lse = ATTENTION(impl, args)
   return (out, lse) if return_lse else out

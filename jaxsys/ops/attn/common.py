@@ -13,12 +13,17 @@ import numpy as np
 from jaxsys.core.errors import InputError, ShapeError
 from jaxsys.ops import masks as masks_lib
 
-__all__ = ["AttentionArgs", "validate", "visible_mask"]
+__all__ = ["AttentionArgs", "dense_at", "soft_cap", "validate", "visible_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionArgs:
-  """Validated inputs. ``q_offset``: int or int32[b]; ``kv_lengths``: None or int32[b]."""
+  """Validated inputs. ``q_offset``: int or int32[b]; ``kv_lengths``: None or int32[b].
+
+  Dense per-call terms (None when absent): ``token_mask`` bool ``[b|1, h|1, q, k]`` (True:
+  visible), ``bias`` float ``[b|1, h|1, q, k]`` added to the logits (an additive mask is folded
+  in here), ``logits_soft_cap``: logits become ``cap * tanh(logits / cap)`` before the bias.
+  """
   q: Any
   k: Any
   v: Any
@@ -28,6 +33,14 @@ class AttentionArgs:
   scale: float
   q_offset: Any
   kv_lengths: Any
+  token_mask: Any = None
+  bias: Any = None
+  logits_soft_cap: float | None = None
+
+  @property
+  def dense_terms(self) -> bool:
+    """A dense mask or bias: ``[q, k]`` values that no block layout describes."""
+    return self.token_mask is not None or self.bias is not None
 
   @property
   def static_offset(self) -> int | None:
@@ -35,7 +48,7 @@ class AttentionArgs:
 
 
 def validate(q, k, v, *, mask=None, segment_ids=None, scale=None, q_offset=None,
-             kv_lengths=None, check=False) -> AttentionArgs:
+             kv_lengths=None, check=False, bias=None, logits_soft_cap=None) -> AttentionArgs:
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise ShapeError(f"{name} must be [batch, len, heads, head_dim], got shape {getattr(x, 'shape', None)}")
@@ -52,6 +65,22 @@ def validate(q, k, v, *, mask=None, segment_ids=None, scale=None, q_offset=None,
   if h % hk:
     raise ShapeError(f"heads={h} must be a multiple of kv_heads={hk}")
   tk = k.shape[1]
+  token_mask = None
+  if mask is not None and not isinstance(mask, masks_lib.Mask) and hasattr(mask, "shape"):
+    mask = _dense("mask", mask, b, h, tq, tk)
+    if mask.dtype == jnp.bool_:
+      token_mask, mask = mask, None
+    else:  # an additive mask is a bias
+      bias = mask if bias is None else mask + _dense("bias", bias, b, h, tq, tk)
+      mask = None
+  if bias is not None:
+    bias = _dense("bias", bias, b, h, tq, tk)
+    if bias.dtype == jnp.bool_:
+      raise ShapeError("bias must be floating point (pass a boolean visibility array as mask=)")
+  if logits_soft_cap is not None:
+    if not isinstance(logits_soft_cap, (int, float, np.number)) or not logits_soft_cap > 0:
+      raise ShapeError(f"{logits_soft_cap=} must be a positive number or None")
+    logits_soft_cap = float(logits_soft_cap)
   if mask is not None:
     mask = masks_lib._as_mask(mask)
     if mask.num_heads is not None and mask.num_heads != h:
@@ -78,7 +107,25 @@ def validate(q, k, v, *, mask=None, segment_ids=None, scale=None, q_offset=None,
     for name, x in (("q", q), ("k", k), ("v", v)):
       if not isinstance(x, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(x))):
         raise InputError(f"{name} contains NaN or Inf values")
-  return AttentionArgs(q, k, v, mask, q_seg, kv_seg, float(scale), q_offset, kv_lengths)
+  return AttentionArgs(q, k, v, mask, q_seg, kv_seg, float(scale), q_offset, kv_lengths,
+                       token_mask, bias, logits_soft_cap)
+
+
+def _dense(name, x, b, h, tq, tk):
+  """A dense ``[b|1, h|1, q, k]`` term (bool or floating), checked by shape."""
+  x = jnp.asarray(x)
+  ok = (x.ndim == 4 and x.shape[0] in (1, b) and x.shape[1] in (1, h) and x.shape[2:] == (tq, tk))
+  if not ok:
+    raise ShapeError(f"{name} must be a Mask or an array [batch|1, heads|1, q_len, kv_len] = "
+                     f"[{b}|1, {h}|1, {tq}, {tk}], got shape {x.shape}")
+  if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.floating)):
+    raise ShapeError(f"{name} must be boolean (visibility) or floating (additive), got dtype {x.dtype}")
+  return x
+
+
+def soft_cap(s, cap: float | None):
+  """``cap * tanh(s / cap)`` (Gemma 2's attention-logit cap), or ``s`` when ``cap`` is None."""
+  return s if cap is None else cap * jnp.tanh(s / cap)
 
 
 def _check_block_sparse(mask, tq, tk):
@@ -129,6 +176,14 @@ def visible_mask(args: AttentionArgs, q_idx, k_idx, head_axis: bool = True):
     vis = vis & (qs[:, None, :, None] == ks[:, None, None, :])
   if args.kv_lengths is not None:
     vis = vis & (ki < args.kv_lengths[:, None, None, None])
+  if args.token_mask is not None:
+    vis = vis & dense_at(args.token_mask, q_idx, k_idx, fill=False)
   tk = args.k.shape[1]
   vis = vis & (ki < tk)
   return vis
+
+
+def dense_at(x, q_idx, k_idx, fill):
+  """``x [b|1, h|1, q, k]`` at query / key index vectors (``fill`` outside): ``[b|1, h|1, nq, nk]``."""
+  x = jnp.take(x, q_idx, axis=2, mode="fill", fill_value=fill)
+  return jnp.take(x, k_idx, axis=3, mode="fill", fill_value=fill)

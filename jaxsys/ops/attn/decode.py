@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxsys.ops.attn.common import AttentionArgs, visible_mask
+from jaxsys.ops.attn.common import AttentionArgs, soft_cap, visible_mask
 from jaxsys.ops.masks import TreeMask
 
 __all__ = ["DECODE_MAX_Q", "decode_attention"]
@@ -36,6 +36,8 @@ def decode_attention(args: AttentionArgs):
     raise NotImplementedError(f"xla_decode serves at most {DECODE_MAX_Q} queries per row, got {s}")
   if args.q_segment_ids is not None:
     raise NotImplementedError("xla_decode takes no segment ids")
+  if args.dense_terms:
+    raise NotImplementedError("xla_decode takes no dense mask or bias")
   if args.kv_lengths is None and not isinstance(args.mask, TreeMask):
     # a short training or prefill call (no cache): the blockwise path, differentiable and
     # shard_map-safe, serves it (the block-diagonal product is for reading a cache in place)
@@ -50,7 +52,7 @@ def decode_attention(args: AttentionArgs):
   qbd = (eye[None, :, None, :, None, None] * qf[:, :, :, None]).reshape(b, hk * d, h * s)
   kf = k_cache.astype(jnp.float32).reshape(b, t, hk * d)
   vf = v_cache.astype(jnp.float32).reshape(b, t, hk * d)
-  sc = jnp.einsum("btc,bcj->btj", kf, qbd)                                # [b, T, heads * s]
+  sc = soft_cap(jnp.einsum("btc,bcj->btj", kf, qbd), args.logits_soft_cap)  # [b, T, heads * s]
   vis = visible_mask(args, jnp.arange(s), jnp.arange(t))                  # [b|1, h|1, s, T]
   vis = jnp.broadcast_to(vis, (vis.shape[0], h, s, t)).transpose(0, 3, 1, 2).reshape(-1, t, h * s)
   sc = jnp.where(vis, sc, -jnp.inf)

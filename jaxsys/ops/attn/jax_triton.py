@@ -36,6 +36,8 @@ def check(args: AttentionArgs) -> triton_flash.TritonFlashTiles:
     raise NotImplementedError(f"jax_triton attention serves dense or causal masks, not {type(mask).__name__}")
   if args.q_segment_ids is not None or args.kv_lengths is not None:
     raise NotImplementedError("jax_triton attention takes no segment_ids or kv_lengths")
+  if args.dense_terms or args.logits_soft_cap is not None:
+    raise NotImplementedError("jax_triton attention takes no dense mask, bias or logits_soft_cap")
   if args.static_offset is None:
     raise NotImplementedError("jax_triton attention needs a static (int) q_offset")
   if args.q.dtype not in (jnp.bfloat16, jnp.float16):

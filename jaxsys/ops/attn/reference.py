@@ -1,4 +1,4 @@
-"""Naive dense attention: softmax(Q K^T * scale + mask) V in float32 at HIGHEST precision.
+"""Naive dense attention: softmax(cap(Q K^T * scale) + bias, masked) V in float32 at HIGHEST precision.
 
 The ground truth every implementation is tested against. Memory is quadratic in length.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsys.ops.attn.common import AttentionArgs, visible_mask
+from jaxsys.ops.attn.common import AttentionArgs, soft_cap, visible_mask
 
 __all__ = ["attention_reference"]
 
@@ -26,8 +26,14 @@ def attention_reference(args: AttentionArgs, precision=jax.lax.Precision.HIGHEST
   qf = q.astype(jnp.float32).reshape(b, tq, hk, g, d)  # [batch, q, kv_heads, group, dim]
   kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
   s = jnp.einsum("bqkgd,bskd->bkgqs", qf, kf, precision=precision) * args.scale
-  s = s.reshape(b, h, tq, k.shape[1])  # [batch, heads, q, kv]
+  s = soft_cap(s.reshape(b, h, tq, k.shape[1]), args.logits_soft_cap)  # [batch, heads, q, kv]
   vis = visible_mask(args, jnp.arange(tq), jnp.arange(k.shape[1]))  # [b or 1, h or 1, q, kv]
+  if args.bias is not None:
+    # -inf entries (an additive mask) hide their keys; only finite values enter the arithmetic,
+    # so no inf - inf reaches the backward pass
+    bias = args.bias.astype(jnp.float32)
+    vis = vis & (bias > -jnp.inf)
+    s = s + jnp.where(bias > -jnp.inf, bias, 0.0)
   s = jnp.where(vis, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -24,7 +24,12 @@ full / partial with ``lax.switch`` (e.g. blocks of disjoint packed segments are 
 
 Calls of at most ``SINGLE_TILE_MAX_Q`` queries whose keys fit one tile (decode steps, draft-tree
 verification) use the plain formula of ``reference.py`` at default precision instead: for one tile
-the loop is pure overhead.
+the loop is pure overhead. So do calls with a dense mask or bias ``[b|1, h|1, q, k]``: the array is
+already quadratic in length and no static layout describes it, so tiling saves neither memory nor
+work (the bias gets its gradient from autodiff).
+
+``logits_soft_cap`` (Gemma 2): ``s = cap * tanh(s / cap)`` per visited tile; the backward
+recomputes ``t = tanh(s_raw / cap)`` and scales ``ds`` by ``1 - t^2``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from jax import lax
 from jaxsys.core.errors import check_positive
 from jaxsys.ops.attn import reference
 from jaxsys.ops.attn import layout as layout_lib
-from jaxsys.ops.attn.common import AttentionArgs
+from jaxsys.ops.attn.common import AttentionArgs, soft_cap
 
 __all__ = ["blockwise_attention", "MIN_TILE", "SINGLE_TILE_MAX_Q", "XlaBlockSizes"]
 
@@ -179,10 +184,11 @@ def blockwise_attention(args: AttentionArgs, block_sizes: XlaBlockSizes | None =
   block_sizes = block_sizes or XlaBlockSizes.for_mask(
       args.mask, packed=args.q_segment_ids is not None, q_len=tq)
   bq, bk = block_sizes.for_lengths(tq, tk)
-  if tq <= SINGLE_TILE_MAX_Q and tk <= bk:
+  if (tq <= SINGLE_TILE_MAX_Q and tk <= bk) or args.dense_terms:
     # Decode / tree verification: a few queries over one key tile. The online-softmax loop and
     # its custom backward buy nothing for a single tile; the plain formula (autodiff backward)
-    # is the same math without the loop and per-visit masking overhead.
+    # is the same math without the loop and per-visit masking overhead. A dense mask / bias
+    # (see the module docstring) runs the same formula.
     return reference.attention_reference(args, precision=lax.Precision.DEFAULT)
   plan = _make_plan(args, bq, bk)
   plan_bwd = plan
@@ -330,7 +336,7 @@ def _forward(plan: _Plan, q, k, v, aux):
 
     def visit(j, carry, branch):
       kb = idx[:, i, j]                                              # [ht]
-      s = _scores(p, qb, _gather(p, kt, kb))
+      s = soft_cap(_scores(p, qb, _gather(p, kt, kb)), p.args.logits_soft_cap)
       if branch == layout_lib.PARTIAL:
         s = jnp.where(_visible(p, aux, i, j, kb), s, -jnp.inf)
       return _online_update(p, carry, s, _gather(p, vt, kb))
@@ -410,11 +416,18 @@ def _backward(plan: _Plan, q, k, v, aux, out, lse, dout, dlse):
       kb = idx[:, i, j]
       dq, dk, dv = c
       kblk, vblk = _gather(p, kt, kb), _gather(p, vt, kb)
-      pr = jnp.exp(_scores(p, qb, kblk) - lb[..., None])           # [b, hk, g, bq, bk]
+      s = _scores(p, qb, kblk)                                     # [b, hk, g, bq, bk]
+      cap = p.args.logits_soft_cap
+      if cap is not None:
+        t = jnp.tanh(s / cap)
+        s = cap * t
+      pr = jnp.exp(s - lb[..., None])
       if branch == layout_lib.PARTIAL:
         pr = jnp.where(_visible(p, aux, i, j, kb), pr, 0.0)
       dp = _scores(p, dob, vblk)                                   # dO v^T
       ds = pr * (dp - db[..., None])
+      if cap is not None:                                          # d cap tanh(s / cap) / ds
+        ds = ds * (1.0 - t * t)
       dq = dq + _pv(p, ds, kblk)
       if p.ht == 1:
         dv_b = jnp.einsum("bhgqk,bhgqd->bhkd", pr, dob, preferred_element_type=_F32)
