@@ -64,8 +64,11 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, *, segment_ids=None, cache=None, layer: int = 0):
     """``x [batch, seq, embed]`` -> ``(out [batch, seq, embed], cache)``; ``cache`` follows the
     protocol of ``jaxsys.decoding.cache`` (``layer`` is this block's index in it)."""
-    a, cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache,
-                         layer=layer)
+    if cache is None:
+      a = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids)
+    else:
+      a, cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache,
+                           layer=layer)
     h = x + a
     return h + self.mlp(self.mlp_norm(h)), cache
 

@@ -142,29 +142,43 @@ class Attention(nnx.Module):
       out = out + self.bo[...].astype(self.dtype)
     return constrain(out, ("batch", "seq", "embed"))
 
-  def attend(self, q, k, v, **kwargs):
-    """Calls ``attention_fn`` with this layer's mask, dropping None keywords."""
+  def attend(self, q, k, v, *, extra_mask: masks.Mask | None = None, **kwargs):
+    """Calls ``attention_fn`` with this layer's mask (AND ``extra_mask``), dropping None keywords."""
     kwargs = {k_: v_ for k_, v_ in kwargs.items() if v_ is not None}
-    return self.attention_fn(q, k, v, mask=self.mask, **kwargs)
+    mask = self.mask if extra_mask is None else self.mask & extra_mask
+    return self.attention_fn(q, k, v, mask=mask, **kwargs)
 
-  def __call__(self, x, positions, *, segment_ids=None, cache=None, layer: int = 0):
-    """Returns ``(out [batch, seq, embed], cache)``.
+  def __call__(self, x, positions, *, mask=None, segment_ids=None, cache=None, layer: int = 0):
+    """``out [..., seq, dim]``, or ``(out, cache)`` when a cache is passed in.
 
-    Without a cache, ``attention_fn`` runs over this call's tokens with the layer's mask.
-    With one (see ``jaxsys.decoding.cache``), the cache writes this layer's new keys/values
+    Without a cache, ``attention_fn`` runs over this call's tokens with the layer's mask
+    (causal or sliding window) AND'ed with ``mask``: a lazy ``jaxsys.ops.masks.Mask``, or a
+    dense array ``[..., heads|1, seq, seq]`` (leading axes as x's, or 1) -- boolean (True:
+    visible) or additive (added to the logits, as ``jaxsys.ops.attention``'s ``bias``).
+    With a cache (see ``jaxsys.decoding.cache``), the cache writes this layer's new keys/values
     where it keeps them and computes the attention: ``cache.attend(layer, self, q, k, v)``.
     """
-    if cache is None and x.ndim != 3 and x.ndim >= 2:  # [..., seq, dim]: one flat batch axis
-      lead, seq = x.shape[:-2], x.shape[-2]
-      flat = lambda t: None if t is None else jnp.reshape(t, (-1, seq))  # noqa: E731
-      out, _ = self(x.reshape(-1, seq, x.shape[-1]), flat(positions), segment_ids=flat(segment_ids))
-      return out.reshape(*lead, seq, self.dim), None
-    q, k, v = self.project_qkv(x, positions)
-    if cache is None:
-      return self.project_out(self.attend(q, k, v, segment_ids=segment_ids)), None
-    if segment_ids is not None:
-      raise NotImplementedError("segment_ids with a KV cache are not supported; pack without a cache")
-    o, cache = cache.attend(layer, self, q, k, v)
-    return self.project_out(o), cache
-
-
+    if cache is not None:
+      if segment_ids is not None or mask is not None:
+        raise NotImplementedError("segment_ids or a per-call mask with a KV cache are not "
+                                  "supported; pack without a cache")
+      q, k, v = self.project_qkv(x, positions)
+      o, cache = cache.attend(layer, self, q, k, v)
+      return self.project_out(o), cache
+    if x.ndim < 2:
+      raise ShapeError(f"x must be [..., seq, {self.dim}], got shape {x.shape}")
+    lead, seq = x.shape[:-2], x.shape[-2]
+    bias = None
+    if mask is not None and not isinstance(mask, masks.Mask):
+      mask = jnp.asarray(mask)
+      if mask.ndim != len(lead) + 3:
+        raise ShapeError(f"mask must be a Mask or an array [..., heads|1, seq, seq] with the "
+                         f"leading axes {lead} (or 1), got shape {mask.shape}")
+      mask = jnp.broadcast_to(mask, (*lead, *mask.shape[-3:])).reshape(-1, *mask.shape[-3:])
+      # boolean visibility becomes an additive 0 / -inf term beside the layer's lazy mask
+      bias = jnp.where(mask, 0.0, -jnp.inf) if mask.dtype == jnp.bool_ else mask
+      mask = None
+    flat = lambda t: None if t is None else jnp.reshape(t, (-1, seq))  # noqa: E731
+    q, k, v = self.project_qkv(x.reshape(-1, seq, x.shape[-1]), flat(positions))
+    o = self.attend(q, k, v, segment_ids=flat(segment_ids), bias=bias, extra_mask=mask)
+    return self.project_out(o).reshape(*lead, seq, self.dim)

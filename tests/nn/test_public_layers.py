@@ -59,9 +59,26 @@ def test_attention_takes_leading_batch_axes():
   attn = Attention(16, 4, 2, 4, rope=RopeConfig(), rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 3, 5, 16))
   pos = jnp.broadcast_to(jnp.arange(5), (2, 3, 5))
-  y, _ = attn(x, pos)
+  y = attn(x, pos)                          # no cache passed: no cache returned
   assert y.shape == x.shape
-  np.testing.assert_allclose(y[1], attn(x[1], pos[1])[0], atol=1e-5)
+  np.testing.assert_allclose(y[1], attn(x[1], pos[1]), atol=1e-5)
+
+
+def test_attention_per_call_mask():
+  """A per-call mask is AND'ed with the layer's causal mask: lazy, boolean and additive agree."""
+  from jaxsys.nn import Attention, RopeConfig
+  from jaxsys.ops import masks as M
+  attn = Attention(16, 4, 2, 4, rope=RopeConfig(), rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 6, 16))
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  lazy = attn(x, pos, mask=M.Local(3))
+  dense = jnp.asarray(M.Local(3).dense(6, 6))[None]                 # [1, 1, 6, 6]
+  np.testing.assert_allclose(attn(x, pos, mask=dense), lazy, atol=1e-5)
+  additive = jnp.where(dense, 0.0, -jnp.inf)                        # [1, 1, 6, 6]
+  np.testing.assert_allclose(attn(x, pos, mask=additive), lazy, atol=1e-5)
+  assert not np.allclose(lazy, attn(x, pos), atol=1e-3)
+  full = jnp.ones((2, 1, 6, 6), bool)                               # causal still applies
+  np.testing.assert_allclose(attn(x, pos, mask=full), attn(x, pos), atol=1e-6)
 
 
 def test_graph_layers_take_leading_axes():
