@@ -14,6 +14,11 @@
   curve after a resume equals the uninterrupted one. Metrics go to a tqdm bar and
   ``workdir/metrics.jsonl``. With ``mesh``, parameters are placed by their logical axes and
   batches split on the "batch" rule.
+* **What is trained** (``jaxsys.nn.lora.trainable_filter``): every ``nnx.Param``, or only the
+  LoRA adapters when the model has any (``jaxsys.nn.lora.apply_lora``), minus the parameters
+  whose path (``layers/0/attn/wq``) matches a ``cfg.freeze`` regex. Frozen parameters get no
+  gradient and no optimizer state, are placed on the mesh like the rest, and are not part of
+  the checkpoint (the model passed in supplies them on resume).
 
 Guarantees (crash and numerics safety):
 
@@ -110,8 +115,12 @@ class TrainConfig:
   # "model", replicated over "data") or "fsdp" (also each parameter's embed axis over "data");
   # jaxsys.core.mesh.RULE_SETS. The math is the same either way.
   rules: str = "tp"
+  # regexes over parameter paths (``layers/0/attn/wq``) that training leaves unchanged (no
+  # gradient, no optimizer state); a model with LoRA adapters (jaxsys.nn.lora) trains only them.
+  freeze: tuple[str, ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "freeze", tuple(self.freeze))
     for name in ("total_steps", "accum_steps", "log_every"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -273,6 +282,15 @@ def _to_state(template, pure):
   return state
 
 
+def _place(pure, specs, mesh):
+  """Each array of the pure dict ``pure`` on ``mesh`` as ``specs`` (a pure dict over every
+  parameter, of which ``pure`` may hold a subset) places it."""
+  table = dict(jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, table[path])), pure)
+
+
 def _place_batch(batch, mesh):
   if mesh is None:
     return jax.tree.map(jnp.asarray, batch)
@@ -353,17 +371,22 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
   """
   from jaxsys.core.checkpoint import Checkpointer
   from jaxsys.nn.layers import param_specs
+  from jaxsys.nn.lora import trainable_filter
   unknown = sorted(set(allow_config_change) - set(MATH_FIELDS))
   if unknown:
     raise ConfigError(f"allow_config_change={tuple(allow_config_change)!r} names {unknown}, "
                       f"which are not among {MATH_FIELDS}")
-  graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+  # trained: every nnx.Param, or the LoRA adapters alone, minus cfg.freeze; frozen parameters
+  # travel with the rest of the model state (no gradient, no optimizer state)
+  graphdef, params_state, frozen, rest = nnx.split(model, trainable_filter(model, cfg.freeze),
+                                                   nnx.Param, ...)
   if mesh is not None:
     specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules))
-    params = jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
-                          nnx.to_pure_dict(params_state), specs)
+    params = _place(nnx.to_pure_dict(params_state), specs, mesh)
+    nnx.replace_by_pure_dict(frozen, _place(nnx.to_pure_dict(frozen), specs, mesh))
   else:
     params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params_state))  # donated below
+  rest = nnx.merge_state(frozen, rest)
   tx = make_optimizer(cfg)
   opt_state = tx.init(params)
   start = 0
