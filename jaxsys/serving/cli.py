@@ -1,7 +1,9 @@
 """``jaxsys serve``: an OpenAI-compatible HTTP server, or the serving engine on a prompt file.
 
 Without ``--prompts`` it serves ``--model`` over HTTP (``jaxsys.serving.openai_server``:
-``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``); attention is dense
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/embeddings``, ``/tokenize``,
+``/detokenize``, ``/version``, ``/metrics``, ``/health``; ``--api-key`` or ``$JAXSYS_API_KEY``: Bearer
+auth on every ``/v1`` route); attention is dense
 unless ``--lserve`` (LServe: page selection for retrieval heads under ``--budget``, and with
 ``--gates`` streaming heads on sink + local pages)::
 
@@ -18,9 +20,17 @@ summary line on stderr.
                --logical-page 4 --gates gates.json --max-new-tokens 32
   jaxsys serve --prompts prompts.jsonl --model tiny --dense
 
-``--model``: a named pretrained model (``smollm2-135m-instruct``, with its tokenizer and chat
-template; ``jaxsys fetch`` it first), a ``.gguf`` file, ``tiny`` (the shipped tiny LM), ``random`` (a small
-random-weight model, for smoke tests) or a Hugging Face checkpoint directory.
+``--model``, ``--dtype`` and the sampling flags are those of ``jaxsys generate`` / ``jaxsys chat``
+(``jaxsys.serving.cli_common``): a registered name (``smollm2-135m-instruct``, with its tokenizer and
+chat template; ``jaxsys fetch`` it first), a ``.gguf`` file, a Hugging Face checkpoint folder, ``tiny``
+(the shipped tiny LM, the default) or ``random`` (a small random-weight model, for smoke tests). Over
+HTTP the sampling flags are the defaults of the request fields a client omits (``--system``: a system
+message for chats that have none), and ``--max-tokens`` caps the ``max_tokens`` of a request that omits
+it, which is otherwise the context its prompt leaves; a request's own values win. In the prompt-file
+mode they sample every prompt (``--max-tokens`` default 32).
+
+HTTP serving needs the ``serve`` extra; without it ``jaxsys serve`` says so in one line (exit 2)
+before any model loads.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import sys
 from pathlib import Path
 
 from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.serving.cli_common import (SERVE_MODULES, add_model_args, add_sampling_args, load_model,
+                                       missing_extra, sampling_params)
 
 __all__ = ["build_parser", "load_model", "main", "read_prompts"]
 
@@ -38,11 +50,15 @@ __all__ = ["build_parser", "load_model", "main", "read_prompts"]
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxsys serve", description=__doc__.split("\n\n")[0])
   p.add_argument("--prompts", help="prompt file: run the batch engine on it instead of serving HTTP")
-  p.add_argument("--model", default="tiny",
-                 help="smollm2-135m-instruct | a .gguf file | tiny | random | HF checkpoint dir")
+  add_model_args(p, default="tiny")
+  add_sampling_args(p, "HTTP: caps max_tokens of a request that omits it (default: the context its prompt "
+                       "leaves); prompt file: new tokens per prompt (default 32)")
+  p.add_argument("--default-max-tokens", dest="max_tokens", type=int, help=argparse.SUPPRESS)  # old name
   p.add_argument("--dense", action="store_true", help="dense attention (every head, every page)")
   p.add_argument("--lserve", action="store_true", help="LServe sparse attention (the HTTP server's "
                  "default is dense; the prompt-file mode's is LServe)")
+  p.add_argument("--api-key", default=None,
+                 help="Bearer token every /v1 route requires (default: $JAXSYS_API_KEY; unset: open)")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--max-pending", type=int, default=256,
@@ -57,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
                       "error event on a stream (default: no deadline)")
   p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                  help="token budget of one engine step (decode tokens + prefill chunks)")
-  p.add_argument("--default-max-tokens", type=int, default=256,
-                 help="max_tokens of a request that does not set it (bounded by the context)")
   p.add_argument("--no-prefix-caching", action="store_true")
   p.add_argument("--budget", type=int, default=4096, help="token budget of retrieval heads")
   p.add_argument("--page-size", type=int, default=64)
@@ -77,15 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: LServeConfig's)")
   p.add_argument("--gates", help="streaming gates JSON (from identify_streaming_heads)")
   p.add_argument("--kv-int8", action="store_true", help="int8 KV pages with per-token scales")
-  p.add_argument("--max-new-tokens", type=int, default=32)
   p.add_argument("--max-batch", type=int, default=4)
   p.add_argument("--num-pages", type=int, default=512)
   p.add_argument("--max-seq-len", type=int, default=None,
                  help="prompt + new tokens of a request (default: the pool, num-pages x page-size; "
                       "never beyond the model's context length)")
-  p.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-  p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="write JSON lines here instead of stdout")
   p.add_argument("--progress", action="store_true")
   return p
@@ -118,35 +128,12 @@ def read_prompts(path) -> tuple[list[list[int]], list[int | None]]:
   return prompts, news
 
 
-def load_model(name: str):
-  """``(model, tokenizer or None)``."""
-  from jaxsys.models.pretrained import MODELS  # noqa: PLC0415
-  if name.endswith(".gguf"):
-    from jaxsys.models.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
-    return from_gguf(name), load_tokenizer(name)
-  if name in MODELS:
-    from jaxsys.models import load_pretrained  # noqa: PLC0415
-    return load_pretrained(name)
-  return _load_plain(name), None
-
-
-def _load_plain(name: str):
-  if name == "tiny":
-    from jaxsys.models import load_tiny_lm
-    return load_tiny_lm()
-  if name == "random":
-    from jaxsys.models._decoder_config import DecoderConfig
-    from jaxsys.models.decoder import random_model
-    return random_model(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_layers=2, num_heads=4, num_kv_heads=2), seed=0)
-  from jaxsys.models import from_pretrained
-  return from_pretrained(name)
-
-
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  if not args.prompts and (msg := missing_extra("jaxsys serve", SERVE_MODULES, "serve")):
+    print(f"jaxsys serve: error: {msg}", file=sys.stderr)
+    return 2
   from jaxsys.serving.engine import ServingEngine, ServingConfig
-  from jaxsys.decoding.sampling import SamplingParams
   from jaxsys.serving.lserve import LServeConfig
   from jaxsys.serving.streaming import StreamingGates
   try:
@@ -175,13 +162,13 @@ def main(argv=None) -> int:
     if args.mesh:
       from jaxsys.core.mesh import make_mesh, parse_axes  # noqa: PLC0415
       mesh = make_mesh(parse_axes(args.mesh))
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, args.dtype)
     engine = ServingEngine(model, cfg, streaming=streaming, tokenizer=tokenizer, mesh=mesh)
     if prompts is None:
       return _serve_http(engine, args)
-    sampling = None if args.temperature is None else SamplingParams(args.temperature, top_p=args.top_p,
-                                                                      seed=args.seed)
-    max_new = [args.max_new_tokens if m is None else int(m) for m in news]
+    sampling = sampling_params(args)
+    default_new = 32 if args.max_tokens is None else args.max_tokens
+    max_new = [default_new if m is None else int(m) for m in news]
     res = engine.generate(prompts, max_new, sampling=sampling, progress=args.progress)
   except (ConfigError, InputError) as e:
     print(f"jaxsys serve: error: {e}", file=sys.stderr)
@@ -203,14 +190,17 @@ def main(argv=None) -> int:
 
 def _serve_http(engine, args) -> int:
   import logging  # noqa: PLC0415
+  import os  # noqa: PLC0415
   from jaxsys.serving.openai_server import serve  # noqa: PLC0415
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   mode = "dense" if engine.config.lserve.dense else f"lserve(budget={args.budget})"
   logging.getLogger("jaxsys.serving.server").info(
       "serving %s (%s) on http://%s:%d/v1", args.model, mode, args.host, args.port)
+  defaults = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+              if getattr(args, k) is not None}
   return serve(engine, args.model, host=args.host, port=args.port, max_pending=args.max_pending,
-               default_max_tokens=args.default_max_tokens, max_n=args.max_n,
-               request_timeout=args.request_timeout)
+               default_max_tokens=args.max_tokens, max_n=args.max_n, request_timeout=args.request_timeout,
+               defaults=defaults, system=args.system, api_key=args.api_key or os.environ.get("JAXSYS_API_KEY") or None)
 
 
 if __name__ == "__main__":

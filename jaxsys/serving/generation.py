@@ -23,6 +23,10 @@ reply at the first stop string (cut from the text, as in the OpenAI API; the tok
 that completed it). ``on_token(step, tokens int32[batch])`` streams each step's tokens to the host
 from inside the compiled loop (a terminal chat prints them as they come).
 
+Embeddings: :func:`embed` runs prompts once through the model (no cache) and returns each one's
+final hidden states (after the final norm) averaged over its tokens, float32 ``[n, hidden]`` (what
+the server's ``/v1/embeddings`` answers).
+
 For a Python-driven loop :func:`decode_step` is a jitted single step that donates the cache, so
 XLA updates it in place.
 
@@ -39,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -55,7 +60,7 @@ from jaxsys.decoding.core import bucket, context_length, describe_context  # noq
 from jaxsys.decoding.sampling import GREEDY, SamplingParams, loop_params
 
 __all__ = [
-    "bucket", "context_length", "decode_step", "default_stop_tokens", "describe_context", "encode_prompts",
+    "bucket", "context_length", "decode_step", "default_stop_tokens", "describe_context", "embed", "encode_prompts",
     "generate", "GenerationResult", "TRACE_COUNTS",
 ]
 
@@ -133,6 +138,31 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: SamplingParams | 
     if stop:
       _apply_stop_strings(res, tokenizer, stop)
   return res
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mean_hidden(graphdef, state, tokens, lengths):
+  """Mean of each row's final hidden states over its first ``lengths[i]`` positions: ``tokens
+  int32[b, T]`` right-padded (causal attention: padding never reaches a real position) ->
+  float32 ``[b, hidden]``."""
+  h, _ = nnx.merge(graphdef, state).forward_hidden(tokens)                 # [b, T, hidden]
+  mask = (jnp.arange(tokens.shape[1])[None] < lengths[:, None]).astype(jnp.float32)
+  return jnp.einsum("bt,bth->bh", mask, h.astype(jnp.float32)) / lengths[:, None].astype(jnp.float32)
+
+
+def embed(model, prompts, *, tokenizer=None, min_bucket: int = 16) -> tuple[np.ndarray, list[int]]:
+  """``(embeddings float32[n, hidden], token counts)``: each prompt's final hidden states (after the
+  final norm) mean-pooled over its tokens. ``prompts`` as :func:`generate` takes them (strings and
+  chats with a ``tokenizer``); each must fit the model's :func:`context_length`. Shapes are bucketed
+  to powers of two (batch, length), so similar batches reuse one executable."""
+  if tokenizer is not None:
+    prompts = encode_prompts(tokenizer, prompts)
+  arrs = core.check_prompts(prompts, model.config.vocab_size, max_len=context_length(model.config),
+                            limit="context_length")
+  tokens, lengths = core.pad_batch(arrs, bucket(len(arrs), 1), bucket(max(map(len, arrs)), min_bucket))
+  graphdef, state = nnx.split(model)
+  out = _mean_hidden(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths))
+  return np.asarray(out)[:len(arrs)], [len(a) for a in arrs]
 
 
 # ---- text ------------------------------------------------------------------------------------

@@ -36,12 +36,15 @@ import collections
 import dataclasses
 import json
 import logging
-import re
 import threading
 import time
 import uuid
 
 from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.serving.openai_protocol import (APIError, bad_request, check_fields, chat_messages, read_body,
+                                           request_params, with_defaults)
+from jaxsys.serving.cli_common import with_system
+from jaxsys.serving.openai_routes import ServerMetrics, add_routes
 from jaxsys.serving.requests import RequestParams
 
 __all__ = ["APIError", "build_app", "EngineLoop", "serve", "ServerHandle", "ServerLimits", "start_server"]
@@ -51,47 +54,29 @@ log = logging.getLogger("jaxsys.serving.server")
 _ACCEPTED, _DONE = "accepted", "done"
 
 
-class APIError(Exception):
-  """An error answered with OpenAI's error JSON."""
-
-  def __init__(self, status: int, message: str, param: str | None = None,
-               type: str = "invalid_request_error", code: str | None = None):
-    # a client's text echoed back (a model name, a field) may hold lone surrogates, which JSON
-    # responses cannot encode: escape them rather than fail the reply
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    super().__init__(message)
-    self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-  def body(self) -> dict:
-    return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                      "code": self.code}}
-
-
-def _bad(e: Exception) -> APIError:
-  m = re.match(r"\s*(?:request \S+: )?(\w+)=", str(e))
-  return APIError(400, str(e), m.group(1) if m else None)
-
-
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
   """What one server admits (``jaxsys serve`` flags of the same names).
 
   Attributes:
     max_pending: sequences (a request counts its ``n``) queued or running; beyond it, 503.
-    default_max_tokens: ``max_tokens`` of a request that omits it (bounded by the context left).
+    default_max_tokens: caps ``max_tokens`` of a request that omits it, which is otherwise the
+      context its prompt leaves (``--max-tokens``; None: no cap).
     max_n: the largest ``n`` one request may ask for (``--max-n``); beyond it, 400.
     request_timeout: seconds from arrival after which a request is aborted and its pages freed
       (``--request-timeout``; None: no deadline). A non-streamed request then gets a 408; a stream
       gets an error event and ends.
   """
   max_pending: int = 256
-  default_max_tokens: int = 256
+  default_max_tokens: int | None = None
   max_n: int = 16
   request_timeout: float | None = None
 
   def __post_init__(self):
     for name in ("max_pending", "default_max_tokens", "max_n"):
       value = getattr(self, name)
+      if value is None and name == "default_max_tokens":
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} must be an int >= 1")
     t = self.request_timeout
@@ -173,13 +158,14 @@ class EngineLoop:
         raise
       except Exception as err:  # noqa: BLE001 - the tokenizer's errors on this request's text
         raise InputError(f"prompt could not be tokenized: {type(err).__name__}: {err}") from err
-      if auto_max_tokens:  # OpenAI's default: as many as the context leaves (bounded)
+      if auto_max_tokens:  # OpenAI's default: as many as the context leaves (capped by the server)
         room = e.max_seq_len - len(ids)
-        params = dataclasses.replace(params, max_tokens=max(1, min(self.limits.default_max_tokens, room)))
+        cap = self.limits.default_max_tokens or room
+        params = dataclasses.replace(params, max_tokens=max(1, min(cap, room)))
       e.add_request(ids, params, rid)
     except (InputError, ConfigError) as err:
       log.info("request %s: rejected: %s", rid, err)
-      self._end(rid, _bad(err))
+      self._end(rid, bad_request(err))
       return
     except Exception as err:  # noqa: BLE001 - fail this request, keep serving the others
       log.exception("request %s: failed while queueing", rid)
@@ -236,66 +222,6 @@ class EngineLoop:
         self._end(rid)
 
 
-def _content(messages) -> list[dict]:
-  """Validated chat messages with string contents (text parts joined)."""
-  if not isinstance(messages, list) or not messages:
-    raise APIError(400, "messages must be a non-empty list", "messages")
-  out = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, dict) or "role" not in m:
-      raise APIError(400, f"messages[{i}] must be an object with a 'role'", "messages")
-    c = m.get("content") or ""
-    if isinstance(c, list):
-      for j, part in enumerate(c):
-        if not isinstance(part, dict) or (part.get("type") == "text" and not isinstance(part.get("text"), str)):
-          raise APIError(400, f"messages[{i}].content[{j}] must be a text part "
-                         '{"type": "text", "text": <string>}', "messages")
-      c = "".join(part["text"] for part in c if part.get("type") == "text")
-    if not isinstance(c, str):
-      raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-    out.append({"role": str(m["role"]), "content": c})
-  return out
-
-
-def _params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
-  """``(RequestParams, max_tokens was omitted)`` from an OpenAI request body."""
-  for name in ("presence_penalty", "frequency_penalty"):
-    if body.get(name):
-      raise APIError(400, f"{name} is not supported (only 0)", name)
-  if body.get("echo"):
-    raise APIError(400, "echo is not supported", "echo")
-  mt = body.get("max_completion_tokens", body.get("max_tokens"))
-  stop = body.get("stop") or ()
-  if isinstance(stop, str):
-    stop = (stop,)
-  if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
-    raise APIError(400, f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
-  ids = body.get("stop_token_ids") or ()
-  if not isinstance(ids, (list, tuple)):
-    raise APIError(400, f"stop_token_ids must be a list of token ids, got {type(ids).__name__}",
-                   "stop_token_ids")
-  if not isinstance(body.get("stream_options") or {}, dict):
-    raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
-                   "stream_options")
-  if chat:
-    logprobs, top = bool(body.get("logprobs") or False), body.get("top_logprobs") or 0
-    if top and not logprobs:
-      raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-  else:
-    lp = body.get("logprobs")
-    logprobs, top = lp is not None, lp or 0
-  kw = dict(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
-            top_k=body.get("top_k", 0) or 0, min_p=body.get("min_p", 0.0) or 0.0, seed=body.get("seed"),
-            n=body.get("n", 1), stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop,
-            stop_token_ids=tuple(body.get("stop_token_ids") or ()), ignore_eos=bool(body.get("ignore_eos")),
-            logprobs=logprobs, top_logprobs=top)
-  kw = {k: v for k, v in kw.items() if v is not None or k == "seed"}
-  try:
-    return RequestParams(max_tokens=16 if mt is None else mt, **kw), mt is None
-  except (ConfigError, InputError, TypeError) as e:
-    raise _bad(e) from e
-
-
 class ClientGone(Exception):
   """The client of a request closed its connection (its work is aborted)."""
 
@@ -322,46 +248,20 @@ async def _next(q: asyncio.Queue, request, deadline: float | None, timeout: floa
         raise _timed_out(timeout) from None
 
 
-# Request fields beyond these are refused (400): nothing a client asks for is silently ignored.
-_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
-           "seed", "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "ignore_eos",
-           "stop_token_ids"}
-_CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-_TEXT_FIELDS = _FIELDS | {"prompt", "logprobs", "echo"}
-# Fields accepted only at a value that asks for nothing this server lacks.
-_NEUTRAL = {"logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
-            "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,),
-            "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default")}
-
-
-def _check_fields(body: dict, chat: bool) -> None:
-  """400 naming the first field this endpoint does not support (``null`` counts as omitted)."""
-  known = _CHAT_FIELDS if chat else _TEXT_FIELDS
-  for name, value in body.items():
-    if name in known or value is None:
-      if name == "user" and not isinstance(value, (str, type(None))):
-        raise APIError(400, f"user must be a string, got {type(value).__name__}", "user")
-      continue
-    if name in _NEUTRAL:
-      if any(type(value) is type(ok) and value == ok for ok in _NEUTRAL[name]):
-        continue
-      raise APIError(400, f"{name}={_short(value)} is not supported by this server (accepted: "
-                     f"{' or '.join(json.dumps(v) for v in _NEUTRAL[name])})", name)
-    raise APIError(400, f"unsupported field {name!r} for /v1/{'chat/' if chat else ''}completions",
-                   name)
-
-
-def _short(value) -> str:
-  text = json.dumps(value, ensure_ascii=True)
-  return text if len(text) <= 60 else text[:57] + "..."
-
-
-def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
-  """The FastAPI application serving ``loop.engine`` as ``model_name``."""
+def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str | None = None,
+              defaults: dict | None = None, system: str | None = None):
+  """The FastAPI application serving ``loop.engine`` as ``model_name``. ``api_key``: the Bearer
+  token every ``/v1`` route needs (None: open); ``defaults``: values for the request fields a
+  client omits (``openai_protocol.DEFAULTABLE``); ``system``: a system message for chats without
+  one. The routes beyond completions come from ``openai_routes.add_routes``."""
   from fastapi import FastAPI, Request  # noqa: PLC0415  (server extra)
   from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
 
   app = FastAPI(title="jaxsys", version="1")
+  metrics = ServerMetrics(loop.engine)
+  add_routes(app, loop, model_name, tokenizer, metrics, api_key)
+  defaults = dict(defaults or {})
+  with_defaults({}, defaults)  # a bad default is a ConfigError now, not at the first request
   created = int(time.time())
 
   @app.exception_handler(APIError)
@@ -380,16 +280,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
                                         "owned_by": "jaxsys"}]}
 
   async def _body(request) -> dict:
-    try:
-      body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise APIError(400, f"the request body is not valid JSON ({e})") from e
-    if not isinstance(body, dict):
-      raise APIError(400, "the request body must be a JSON object")
-    if body.get("model") != model_name:
-      raise APIError(404, f"The model `{body.get('model')}` does not exist; this server serves "
-                     f"`{model_name}`", "model", code="model_not_found")
-    return body
+    return await read_body(request, model_name)
 
   def _token(t: int) -> str:
     return tokenizer.decode([t]) if tokenizer is not None else str(t)
@@ -408,7 +299,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     return {"tokens": [_token(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{_token(a): v for a, v in x.top} for x in lps]}
 
-  async def _gather(q, request, n: int, deadline):
+  async def _gather(q, request, n: int, deadline, track):
     """A non-streamed request's outputs until it is done: ``(texts, logprobs, finish reasons,
     prompt tokens, completion tokens per choice)``. ``deadline``: ``(monotonic deadline or None,
     --request-timeout)``, as ``_next`` takes them."""
@@ -417,6 +308,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     while (item := await _next(q, request, *deadline)) != _DONE:
       if isinstance(item, Exception):
         raise item
+      track.output(item)
       texts[item.index].append(item.new_text or "")
       lps[item.index] += item.logprobs or []
       reasons[item.index] = item.finish_reason or reasons[item.index]
@@ -424,13 +316,14 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
     return texts, lps, reasons, prompt_tokens, completion
 
   async def _serve(request, body, prompt, chat: bool):
-    params, auto = _params(body, chat)
+    params, auto = request_params(with_defaults(body, defaults), chat)
     kind = "chatcmpl" if chat else "cmpl"
     rid = f"{kind}-{uuid.uuid4().hex[:24]}"
     t0 = time.perf_counter()
     timeout = loop.limits.request_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
     q = loop.submit(prompt, params, rid, auto)
+    track = metrics.tracker(t0)
     try:  # from here on, any exit but a finished reply aborts the queued work and frees its pages
       first = await _next(q, request, deadline, timeout)
       if isinstance(first, Exception):
@@ -440,9 +333,10 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
       log.info("request %s: accepted (%s, n=%d, stream=%s)", rid, obj, params.n, bool(body.get("stream")))
       if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, t0, (deadline, timeout)),
+        return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, track, (deadline, timeout)),
                                  media_type="text/event-stream")
-      texts, lps, reasons, prompt_tokens, completion = await _gather(q, request, params.n, (deadline, timeout))
+      texts, lps, reasons, prompt_tokens, completion = await _gather(q, request, params.n, (deadline, timeout),
+                                                                     track)
     except ClientGone:  # nobody to answer: free the work, say so once, no traceback
       loop.abort(rid)
       log.info("request %s: client disconnected; aborted", rid)
@@ -461,13 +355,14 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
       else:
         choices.append({"index": i, "text": text, "logprobs": _text_logprobs(lp),
                         "finish_reason": reasons[i]})
+    track.done(prompt_tokens)
     log.info("request %s: done in %.3fs, %d completion tokens", rid, time.perf_counter() - t0,
              sum(completion))
     return {**base, "object": obj, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
                       "total_tokens": prompt_tokens + sum(completion)}}
 
-  async def _stream(q, rid, base, obj, params, chat, usage, t0, deadline):
+  async def _stream(q, rid, base, obj, params, chat, usage, track, deadline):
     obj += ".chunk" if chat else ""
     done = False
     sse = lambda d: f"data: {json.dumps(d)}\n\n"  # noqa: E731
@@ -489,6 +384,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
           loop.abort(rid)  # a timed-out request still holds pages (an engine error already ended it)
           yield sse(item.body() if isinstance(item, APIError) else {"error": {"message": str(item)}})
           break
+        track.output(item)
         prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
         lp = item.logprobs if params.logprobs else None
         if chat:
@@ -504,7 +400,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
                              "total_tokens": prompt_tokens + sum(completion)}})
       yield "data: [DONE]\n\n"
       done = True
-      log.info("request %s: streamed in %.3fs, %d completion tokens", rid, time.perf_counter() - t0,
+      track.done(prompt_tokens)
+      log.info("request %s: streamed in %.3fs, %d completion tokens", rid, time.perf_counter() - track.t0,
                sum(completion))
     finally:
       if not done:  # the client went away: free its pages
@@ -514,15 +411,15 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None):
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
     body = await _body(request)
-    _check_fields(body, chat=True)
+    check_fields(body, chat=True)
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
       raise APIError(400, "this model has no tokenizer chat template; use /v1/completions", "messages")
-    return await _serve(request, body, _content(body.get("messages")), chat=True)
+    return await _serve(request, body, with_system(chat_messages(body.get("messages")), system), chat=True)
 
   @app.post("/v1/completions")
   async def completions(request: Request):
     body = await _body(request)
-    _check_fields(body, chat=False)
+    check_fields(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
@@ -552,16 +449,19 @@ class ServerHandle:
 
 
 def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", **limits):
+                 log_level: str = "warning", api_key: str | None = None, defaults: dict | None = None,
+                 system: str | None = None, **limits):
   """Starts uvicorn in a thread (``port=0``: a free port) and returns a :class:`ServerHandle`.
-  ``limits``: the fields of :class:`ServerLimits` (``max_pending=``, ``request_timeout=``, ...)."""
+  ``api_key``, ``defaults``, ``system``: as :func:`build_app` takes them; ``limits``: the fields of
+  :class:`ServerLimits` (``max_pending=``, ``request_timeout=``, ...)."""
+  app_args = dict(api_key=api_key, defaults=defaults, system=system)
   import socket  # noqa: PLC0415
   import uvicorn  # noqa: PLC0415
   sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
   loop = EngineLoop(engine, ServerLimits(**limits))
-  app = build_app(loop, model_name, engine.tokenizer)
+  app = build_app(loop, model_name, engine.tokenizer, **app_args)
   server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxsys-http",
                             daemon=True)
@@ -576,17 +476,20 @@ def start_server(engine, model_name: str, *, host: str = "127.0.0.1", port: int 
 
 
 def serve(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          graceful_seconds: float = 5.0, **limits) -> int:
+          graceful_seconds: float = 5.0, api_key: str | None = None, defaults: dict | None = None,
+          system: str | None = None, **limits) -> int:
   """Serves until interrupted (``jaxsys serve``); returns the process exit code.
 
   SIGTERM / Ctrl-C stop the server within a bounded time: open requests get ``graceful_seconds``
   to finish, then their handlers are cancelled (which aborts their work), then the engine thread
   is joined. If the engine thread dies, ``/health`` answers 503 and the server shuts itself down
   and returns 1, so a supervisor restarts it instead of keeping a server that hangs every
-  request. ``limits``: the fields of :class:`ServerLimits`."""
+  request. ``api_key``, ``defaults``, ``system``: as :func:`build_app` takes them; ``limits``: the
+  fields of :class:`ServerLimits`."""
   import uvicorn  # noqa: PLC0415
+  app_args = dict(api_key=api_key, defaults=defaults, system=system)
   loop = EngineLoop(engine, ServerLimits(**limits))
-  server = uvicorn.Server(uvicorn.Config(build_app(loop, model_name, engine.tokenizer), host=host,
+  server = uvicorn.Server(uvicorn.Config(build_app(loop, model_name, engine.tokenizer, **app_args), host=host,
                                          port=port, log_level="info",
                                          timeout_graceful_shutdown=graceful_seconds))
 

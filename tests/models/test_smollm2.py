@@ -149,9 +149,11 @@ def test_text_in_text_out(smol, monkeypatch, capsys):
   # The commands (jaxsys generate / jaxsys chat) stream the reply to stdout.
   from jaxsys.cli import main as cli
   from jaxsys.serving import chat_cli
-  monkeypatch.setattr(chat_cli, "load_pretrained", lambda name, dtype=None: (model, tok))
+  monkeypatch.setattr(chat_cli, "load_model", lambda name, dtype=None: (model, tok))
   assert cli(["generate", "--model", NAME, CHAT_PROMPTS[0], "--max-new-tokens", "64"]) == 0
   assert capsys.readouterr().out.strip() == "The capital of France is Paris."
+  assert cli(["generate", "--model", NAME, CHAT_PROMPTS[0], "--max-tokens", "64", "--stop", " Paris"]) == 0
+  assert capsys.readouterr().out.strip() == "The capital of France is"
   lines = iter([CHAT_PROMPTS[0], ""])
   monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
   assert cli(["chat", "--model", NAME, "--max-new-tokens", "64"]) == 0
@@ -317,3 +319,4 @@ def test_tokenizer_matches_transformers(smol, tmp_path):
   (bad / "tokenizer.json").write_text("{ truncated")
   assert gguf._read_cached_tokenizer(bad) is None
   assert gguf._read_cached_tokenizer(tmp_path / "missing") is None
+

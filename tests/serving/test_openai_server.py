@@ -258,6 +258,79 @@ def test_unsupported_fields_are_refused_not_ignored(setup):
   assert _idle(engine)
 
 
+def test_api_key_server_defaults_and_system(setup):
+  """--api-key: every /v1 route answers 401 without the Bearer key (health, version, metrics and
+  tokenize stay open); server-side defaults fill the fields a request omits, and --system leads a
+  chat without one. A second front end over the same (idle) engine."""
+  from jaxsys.serving.openai_server import start_server
+  _, _, engine, _, client = setup
+  keyed = start_server(engine, NAME, api_key="s3cret", defaults={"temperature": 0}, system=SYSTEM["content"])
+  try:
+    anon = openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0)
+    for call in (lambda: anon.models.list(),
+                 lambda: anon.chat.completions.create(model=NAME, messages=_chat("hi"), max_tokens=2),
+                 lambda: anon.embeddings.create(model=NAME, input="hi")):
+      with pytest.raises(openai.AuthenticationError) as e:
+        call()
+      assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    assert httpx.post(keyed.url + "/v1/completions", json={"model": NAME, "prompt": "x"}).status_code == 401
+    for path in ("/health", "/version", "/metrics"):
+      assert httpx.get(keyed.url + path).status_code == 200, path
+    ok = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
+    # no temperature, no system message: the server's defaults make it the greedy reply to _chat(...)
+    got = ok.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Is the tide in?"}],
+                                     max_tokens=6).choices[0].message.content
+  finally:
+    keyed.stop()
+  want = client.chat.completions.create(model=NAME, messages=_chat("Is the tide in?"), max_tokens=6,
+                                        temperature=0).choices[0].message.content
+  assert got == want
+  assert _idle(engine)
+
+
+def test_tokenize_detokenize_version_embeddings_and_metrics(setup):
+  from prometheus_client.parser import text_string_to_metric_families
+
+  import jaxsys
+  from jaxsys.serving.generation import embed
+  model, tok, engine, server, client = setup
+  u = server.url
+  assert httpx.get(u + "/version").json() == {"version": jaxsys.__version__}
+  r = httpx.post(u + "/tokenize", json={"model": NAME, "prompt": "Café 😀  x"}).json()
+  assert r["tokens"] == tok.encode("Café 😀  x") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+  chat = httpx.post(u + "/tokenize", json={"model": NAME, "messages": _chat("hi")}).json()["tokens"]
+  assert chat == tok.apply_chat_template(_chat("hi"), add_generation_prompt=True)
+  assert httpx.post(u + "/detokenize", json={"model": NAME, "tokens": r["tokens"]}).json() == {"prompt": "Café 😀  x"}
+  for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                            ("/tokenize", {"prompt": "x", "frob": 1}, "frob")):
+    bad = httpx.post(u + path, json={"model": NAME, **body})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+  # /v1/embeddings: mean-pooled final hidden states, base64 (the client's default) or float
+  texts = ["The harbour at dawn.", "Boats"]
+  got = client.embeddings.create(model=NAME, input=texts)
+  want, counts = embed(model, texts, tokenizer=tok)
+  assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens == sum(counts)
+  np.testing.assert_allclose(np.array([d.embedding for d in got.data]), want, rtol=1e-5, atol=1e-6)
+  ids = client.embeddings.create(model=NAME, input=[tok.encode("Boats")], encoding_format="float")
+  np.testing.assert_allclose(ids.data[0].embedding, want[1], rtol=1e-5, atol=1e-6)
+  with pytest.raises(openai.BadRequestError) as e:
+    client.embeddings.create(model=NAME, input="x", dimensions=8)
+  assert e.value.body["param"] == "dimensions"
+  # /metrics: parsed by prometheus_client; tokens and latencies counted, the pool's pages add up
+  client.completions.create(model=NAME, prompt="The harbour", max_tokens=3, temperature=0)
+  assert _idle(engine)
+  fams = {f.name: f for f in text_string_to_metric_families(httpx.get(u + "/metrics").text)}
+  value = lambda name, suffix="": sum(s.value for s in fams[name].samples if s.name == name + suffix)  # noqa: E731
+  assert value("jaxsys_kv_pages_used") + value("jaxsys_kv_pages_free") == PAGES
+  assert value("jaxsys_requests_waiting") == value("jaxsys_requests_running") == 0
+  assert value("jaxsys_generation_tokens", "_total") >= 3 and value("jaxsys_prompt_tokens", "_total") >= 2
+  assert value("jaxsys_time_to_first_token_seconds", "_count") >= 1
+  assert value("jaxsys_inter_token_latency_seconds", "_count") >= 2
+  assert value("jaxsys_preemptions") >= 0
+  assert any(s.labels == {"endpoint": "/v1/completions", "status": "200"} and s.value >= 1
+             for s in fams["jaxsys_requests"].samples)
+
+
 def test_request_timeout_aborts_and_frees_pages(setup):
   """--request-timeout: a request still running at its deadline is aborted (pages freed); a
   non-streamed one gets a 408, a stream an error event; requests within it are untouched."""
