@@ -257,10 +257,13 @@ def _save_dtype(dtype, default: str) -> np.dtype:
 
 
 def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype=None,
-                    max_shard_bytes: int | None = None) -> Path:
+                    max_shard_bytes: int | None = None, tokenizer=None) -> Path:
   """Writes ``config.json`` + safetensors (sharded above ``max_shard_bytes``) for transformers.
 
   ``dtype`` (default: the model's ``param_dtype``) is one of float32 / bfloat16 / float16.
+  ``tokenizer`` (e.g. the :class:`~jaxsys.models.tokenizer.Tokenizer` of ``load_pretrained``): its
+  ``save_pretrained`` writes ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template)
+  and ``special_tokens_map.json`` into the same folder, so ``AutoTokenizer`` loads it too.
   The save is atomic: everything is written (and fsynced) into a hidden sibling directory that
   then takes the place of ``path`` in one rename, so at every instant ``path`` holds either the
   previous model or the new one, complete; a save killed at any point leaves the previous model
@@ -281,8 +284,13 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype=None,
     shards[-1][name] = t
     size += t.nbytes
 
+  if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+    raise ConfigError(f"tokenizer must have a save_pretrained(folder) method, got {type(tokenizer).__name__}")
+
   def write(tmp: Path):
     _write_json(tmp / CONFIG_NAME, config)
+    if tokenizer is not None:
+      tokenizer.save_pretrained(tmp)
     if len(shards) == 1:
       st.write_file(tmp / WEIGHTS_NAME, tensors)
       return

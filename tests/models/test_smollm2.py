@@ -320,3 +320,25 @@ def test_tokenizer_matches_transformers(smol, tmp_path):
   assert gguf._read_cached_tokenizer(bad) is None
   assert gguf._read_cached_tokenizer(tmp_path / "missing") is None
 
+
+@REAL
+def test_hf_export_carries_its_tokenizer(smol, tmp_path):
+  """save_pretrained(..., tokenizer=) writes tokenizer.json, tokenizer_config.json (with the chat
+  template) and special_tokens_map.json beside the weights: AutoTokenizer and
+  AutoModelForCausalLM both load the folder, with the GGUF's ids and logits."""
+  from jaxsys.models.tokenizer import Tokenizer
+  out = M.save_pretrained(smol.model, tmp_path / "hf", tokenizer=smol.tok)
+  assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= {p.name for p in out.iterdir()}
+  tf = smol.transformers
+  hf_tok = tf.AutoTokenizer.from_pretrained(str(out))
+  ours = Tokenizer.from_folder(out)
+  for tok in (hf_tok, ours):
+    assert tok(TEXT)["input_ids"][:256] == smol.ids
+    assert P._chat_ids(tok, HELD_CHAT) == P._chat_ids(smol.tok, HELD_CHAT)
+    assert (tok.eos_token_id, tok.pad_token_id) == (smol.tok.eos_token_id, smol.tok.pad_token_id)
+  assert hf_tok.chat_template == ours.chat_template == smol.tok.chat_template
+  with _one_torch_thread(smol.torch):
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(out), dtype=smol.torch.float32)
+    back = hf(smol.torch.as_tensor([smol.ids[:64]])).logits.numpy()
+  del hf
+  assert np.abs(back - smol.ours[:, :64]).max() <= 2e-3
