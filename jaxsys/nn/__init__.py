@@ -9,6 +9,12 @@ Layers: :class:`Attention` (GQA + RoPE), :class:`RMSNorm`, :class:`Embed`, :clas
 :class:`GraphAttention`, :class:`GCNConv`, :class:`DegreeEncoding`, :class:`QuantLinear`,
 :class:`QuantGCNConv`, :class:`QuantGINConv`, :class:`QuantGATConv`, :class:`LIF`,
 :class:`SpikingLinear`.
+
+LoRA on any of them (and on a user's own layer that reads its weight with ``w[...]``):
+:func:`apply_lora` with a :class:`LoRAConfig` wraps projections in :class:`LoRAWeight` s whose
+adapters are :class:`LoRAParam` s; :func:`merge_lora` folds them back; :func:`lora_state` /
+:func:`load_lora_state` save and load the adapters alone; :func:`trainable_filter` is the nnx
+filter ``jaxsys.train.train`` optimises (the adapters when present, minus frozen paths).
 """
 
 from jaxsys._lazy import lazy_exports
@@ -23,6 +29,9 @@ _EXPORTS = {
     "QuantLinear": "quantized", "QuantGCNConv": "quantized", "QuantGINConv": "quantized",
     "QuantGATConv": "quantized", "A2QConfig": "quantized",
     "LIF": "spiking", "LIFConfig": "spiking", "SpikingLinear": "spiking", "spike_count": "spiking",
+    "apply_lora": "lora", "LoRAConfig": "lora", "LoRAParam": "lora", "LoRAWeight": "lora",
+    "merge_lora": "lora", "lora_state": "lora", "load_lora_state": "lora",
+    "trainable_filter": "lora",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

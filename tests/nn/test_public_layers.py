@@ -25,6 +25,14 @@ def test_every_layer_is_exported_and_documented(name):
     assert "Example::" in obj.__doc__ and "[" in obj.__doc__, name  # a shape and an example
 
 
+def test_lora_api_is_exported():
+  from jaxsys import nn
+  from jaxsys.nn import lora
+  for name in ("apply_lora", "LoRAConfig", "LoRAParam", "LoRAWeight", "merge_lora", "lora_state",
+               "load_lora_state", "trainable_filter"):
+    assert name in nn.__all__ and getattr(nn, name) is getattr(lora, name), name
+
+
 def _graph(n=6):
   s = np.array([0, 1, 2, 3, 4, 5, 0], np.int32)
   r = np.array([1, 2, 3, 4, 5, 0, 3], np.int32)
