@@ -162,6 +162,8 @@ def _register_forwarded(sub) -> None:
   add_forwarded(sub, "serve", "jaxsys.serving.cli", "OpenAI-compatible server (or a prompt file)")
   add_forwarded(sub, "gates", "jaxsys.serving.gates_cli",
                 "learn DuoAttention streaming-head gates for a model (the --gates file of serve)")
+  add_forwarded(sub, "finetune", "jaxsys.serving.finetune_cli",
+                "supervised fine-tuning on a chat file (full or LoRA, on a mesh), exported as HF + GGUF")
   add_forwarded(sub, "cluster", "jaxsys.cluster.cli", "cluster scheduling tools")
 
 
