@@ -157,8 +157,10 @@ def collect(src: Path, package: Path | None = None, runs: Path = Path("runs/acce
     if kind in A.KINDS and f.suffix == A.KINDS[kind]:
       if kind == "gates":
         StreamingGates.load(f)                     # a gates file the serving path reads
-      else:
-        A.read_arrays(kind, f.stem, f.parents[1])  # an intact .npz with its settings
+      made = A.settings(kind, f.stem, f.parents[1])  # (an intact .npz too)
+      if made.get("model") != MODEL:
+        raise ValueError(f"{f}: made by model {made.get('model')!r}, not {MODEL!r} (a --smoke run?); "
+                         "not copied into the package")
       dest = (package or A.ROOT) / kind / f.name
     else:
       dest = runs / f.relative_to(src)

@@ -227,14 +227,19 @@ def test_collect_checks_and_places_what_came_back(tmp_path):
   from jaxsys.serving.streaming import StreamingGates
   src = tmp_path / "files"
   g = StreamingGates.from_alpha(np.ones((1, 2)), sink=4, window=8, sparsity=0.5)
-  A.write_json("gates", "g8k", dataclasses.asdict(g), {"steps": 1}, root=src)
-  A.write_arrays("drafters", "d", {"w": np.ones(3, np.float16)}, {"draft_vocab": 2}, root=src)
+  made = {"model": accel.MODEL, "steps": 1}
+  A.write_json("gates", "g8k", dataclasses.asdict(g), made, root=src)
+  A.write_arrays("drafters", "d", {"w": np.ones(3, np.float16)}, made, root=src)
   (src / "accel_gates").mkdir()
   (src / "accel_gates" / "result.json").write_text("{}")
   done = accel.collect(src, package=tmp_path / "pkg", runs=tmp_path / "runs")
   assert len(done) == 3
   assert (tmp_path / "pkg" / "gates" / "g8k.json").is_file() and (tmp_path / "pkg" / "drafters" / "d.npz").is_file()
   assert (tmp_path / "runs" / "accel_gates" / "result.json").is_file()
+  A.write_json("gates", "smoke", dataclasses.asdict(g), {"model": "smoke stand-in"}, root=src)
+  with pytest.raises(ValueError, match="a --smoke run"):
+    accel.collect(src, package=tmp_path / "pkg", runs=tmp_path / "runs")
+  (src / "gates" / "smoke.json").unlink()
   (src / "gates" / "bad.json").write_text("{}")
   with pytest.raises(InputError, match="not a gates JSON"):
     accel.collect(src, package=tmp_path / "pkg", runs=tmp_path / "runs")
