@@ -17,20 +17,31 @@ Inside a compiled loop whose temperature / top-p should not be compile-time cons
 A batch whose rows each carry their own parameters (the serving engine's requests) samples with
 :func:`sample_rows` (every parameter a traced ``[batch]`` array, one key per row) and reports
 log-probabilities with :func:`token_logprobs`.
+
+Penalties and bias (OpenAI's ``frequency_penalty`` / ``presence_penalty`` / ``logit_bias``, HF's and
+vLLM's ``repetition_penalty``) change the logits before the filter, per row, in :func:`penalize`:
+:class:`Penalties` carries them as traced ``[batch]`` / ``[batch, vocab]`` arrays, applied to the
+logits that :func:`sample_rows` (and a greedy argmax) then draw from; a batch where no row has any
+passes no ``Penalties`` and its program has no trace of them. Paths without a token history (the
+on-device loop of ``generate`` and rollouts, :func:`sample`, :func:`target_probs`) refuse penalized
+params with a ``ConfigError`` rather than ignore them. The log-probabilities
+a server reports stay the model's own (before penalties, temperature and filters).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsys.core.errors import ConfigError
 
 __all__ = [
-    "filtered_logits", "GREEDY", "sample", "sample_logits", "sample_probs", "sample_rows",
+    "filtered_logits", "GREEDY", "Penalties", "penalize", "sample", "sample_logits", "sample_probs", "sample_rows",
     "SamplingParams", "target_probs", "token_logprobs",
 ]
 
@@ -40,18 +51,30 @@ MAX_SEED = 2**32 - 1
 #: Largest temperature: the samplers divide float32 logits by it (beyond ~1e4 every row is uniform
 #: anyway, and past float32's range it would silently become inf).
 MAX_TEMPERATURE = 1e4
+#: Largest repetition penalty (vLLM accepts any positive value; past this every seen token is banned anyway).
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """``temperature`` >= 0 (0: greedy), ``top_k`` >= 0 (0: off), ``top_p`` in (0, 1] (1: off);
   ``min_p`` in [0, 1] (0: off) drops tokens less likely than ``min_p`` times the most likely one;
-  ``seed`` (an int in [0, 2**32 - 1]) makes a sampled run reproducible."""
+  ``seed`` (an int in [0, 2**32 - 1]) makes a sampled run reproducible.
+
+  Penalties (:func:`penalize`; all off by default): ``frequency_penalty`` and ``presence_penalty`` in
+  [-2, 2] subtract ``count x frequency + (count > 0) x presence`` from the logit of each token generated
+  ``count`` times so far; ``repetition_penalty`` > 0 (1: off) divides the positive logits and
+  multiplies the negative ones of every token in the prompt or the output; ``logit_bias`` ``((token id,
+  bias in [-100, 100]), ...)`` is added to those tokens' logits (-100 bans a token, +100 forces it)."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
   min_p: float = 0.0
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     t, k, p = self.temperature, self.top_k, self.top_p
@@ -66,21 +89,107 @@ class SamplingParams:
     m = self.min_p
     if not isinstance(m, (int, float)) or isinstance(m, bool) or not (0.0 <= m <= 1.0):
       raise ConfigError(f"min_p={m!r} must be in [0, 1] (0 disables min-p)")
+    for name in ("frequency_penalty", "presence_penalty"):
+      v = getattr(self, name)
+      if not _is_number(v) or not -2.0 <= v <= 2.0:
+        raise ConfigError(f"{name}={v!r} must be a number in [-2, 2] (0 disables it)")
+    r = self.repetition_penalty
+    if not _is_number(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+      raise ConfigError(f"repetition_penalty={r!r} must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it)")
+    bias = self.logit_bias
+    if isinstance(bias, dict):  # OpenAI's {"token id": bias} shape
+      bias = tuple(bias.items())
+    try:
+      bias = tuple(sorted((int(t), float(b)) for t, b in bias
+                          if (isinstance(t, (int, str)) and not isinstance(t, bool) and _is_number(b))))
+    except (TypeError, ValueError):
+      bias = None
+    if bias is None or len(bias) != len(self.logit_bias) or len({t for t, _ in bias}) != len(bias) or \
+        any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+      raise ConfigError(f"logit_bias={self.logit_bias!r} must map distinct token ids >= 0 to biases in [-100, 100]")
+    object.__setattr__(self, "logit_bias", bias)
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
 
+  @property
+  def penalized(self) -> bool:
+    """Whether any penalty or bias is on (only then do samplers pay for them)."""
+    return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                or self.logit_bias)
+
   def check_vocab(self, vocab: int):
     if self.top_k > vocab:
       raise ConfigError(f"top_k={self.top_k} must be <= vocab size {vocab}")
+    if any(t >= vocab for t, _ in self.logit_bias):
+      raise ConfigError(f"logit_bias has token ids >= vocab size {vocab}: "
+                        f"{[t for t, _ in self.logit_bias if t >= vocab][:8]}")
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class Penalties(NamedTuple):
+  """Per-row penalty state, traced (a pytree): ``counts float32[b, vocab]`` (times each token was
+  generated), ``seen bool[b, vocab]`` (token in the prompt or the output), ``frequency``,
+  ``presence``, ``repetition`` ``float32[b]``, ``bias float32[b, vocab]``. :meth:`rows` builds it
+  on the host."""
+  counts: Any
+  seen: Any
+  frequency: Any
+  presence: Any
+  repetition: Any
+  bias: Any
+
+  @staticmethod
+  def rows(params, outputs, prompts, vocab: int, batch: int) -> "Penalties":
+    """Row ``i`` from ``params[i]`` (a :class:`SamplingParams`), its generated ``outputs[i]`` and its
+    ``prompts[i]`` (token ids), padded with neutral rows to ``batch`` rows (fixed shapes)."""
+    counts = np.zeros((batch, vocab), np.float32)
+    seen = np.zeros((batch, vocab), bool)
+    bias = np.zeros((batch, vocab), np.float32)
+    scal = np.zeros((3, batch), np.float32)
+    scal[2] = 1.0
+    for i, (p, out, prompt) in enumerate(zip(params, outputs, prompts)):
+      if not p.penalized:
+        continue
+      counts[i] = np.bincount(np.asarray(out, np.int64), minlength=vocab)[:vocab]
+      if p.repetition_penalty != 1.0:
+        seen[i, np.asarray(prompt, np.int64)] = True
+        seen[i] |= counts[i] > 0
+      for t, b in p.logit_bias:
+        bias[i, t] = b
+      scal[:, i] = (p.frequency_penalty, p.presence_penalty, p.repetition_penalty)
+    return Penalties(counts, seen, scal[0], scal[1], scal[2], bias)
+
+
+def penalize(logits, pen: Penalties):
+  """``logits float32[b, vocab]`` with each row's penalties and bias applied, in vLLM's order:
+  repetition (divide positive / multiply negative logits of seen tokens), then frequency and
+  presence (subtract ``count x frequency + (count > 0) x presence``), then the additive bias."""
+  col = lambda a: jnp.asarray(a, jnp.float32)[:, None]  # noqa: E731  ([b] -> [b, 1])
+  x = logits.astype(jnp.float32)
+  rep = col(pen.repetition)
+  x = jnp.where(pen.seen, jnp.where(x > 0, x / rep, x * rep), x)
+  counts = jnp.asarray(pen.counts, jnp.float32)
+  x = x - counts * col(pen.frequency) - (counts > 0) * col(pen.presence)
+  return x + pen.bias
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def _no_penalties(params: SamplingParams, where: str) -> None:
+  if params.penalized:
+    raise ConfigError(f"{where} has no token history to apply frequency/presence/repetition penalties or "
+                      "logit_bias to; they are applied by the serving engine (ServingEngine, jaxsys serve)")
+
+
 def filtered_logits(logits, params: SamplingParams):
   """Temperature-scaled logits with filtered-out tokens at -inf (float32). Not for greedy."""
+  _no_penalties(params, "filtered_logits")
   return _filter(logits, params.temperature, params.top_k, params.top_p if params.top_p < 1.0 else None,
                  params.min_p or None)
 
@@ -132,6 +241,7 @@ def _min_p(x, min_p):
 
 def target_probs(logits, params: SamplingParams):
   """The processed distribution ``p`` (float32 ``[..., vocab]``) vanilla sampling draws from."""
+  _no_penalties(params, "target_probs")
   if params.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   return jax.nn.softmax(filtered_logits(logits, params), axis=-1)
@@ -139,6 +249,7 @@ def target_probs(logits, params: SamplingParams):
 
 def sample(key, logits, params: SamplingParams):
   """Vanilla sampling from ``target_probs(logits, params)``: int32 ``[...]``."""
+  _no_penalties(params, "sample")
   if params.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.random.categorical(key, filtered_logits(logits, params), axis=-1).astype(jnp.int32)
@@ -160,6 +271,7 @@ def loop_params(params: SamplingParams, *, max_new: int, stops) -> tuple[tuple, 
   ``traced`` the seed, temperature, top_p, min_p, ``max_new`` and ``stops int32[n]`` arrays. The
   one place these are built: every caller of the loop (``generate``, video GRPO) samples from
   :func:`target_probs`' distribution, min-p included."""
+  _no_penalties(params, "the on-device decode loop (generate, rollouts)")
   mode = (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0)
   traced = {"seed": jnp.uint32(params.seed), "temperature": jnp.float32(max(params.temperature, 1e-6)),
             "top_p": jnp.float32(params.top_p), "min_p": jnp.float32(params.min_p),
@@ -177,8 +289,9 @@ def sample_rows(keys, logits, temperature, top_k, top_p, min_p):
   """Per-row sampling: row ``i`` of ``logits float32[b, vocab]`` is drawn with ``keys[i]`` from the
   distribution of ``SamplingParams(temperature[i], top_k[i], top_p[i], min_p=min_p[i])`` (all
   parameters traced ``[b]`` arrays; ``temperature[i] == 0`` is greedy) through the one filter,
-  :func:`_filter`. Returns ``int32[b]``. A row's draw depends only on its own key and logits, so
-  a request samples the same tokens whichever other requests share its batch."""
+  :func:`_filter` (penalties, where a row has them, are applied to ``logits`` first by
+  :func:`penalize`). Returns ``int32[b]``. A row's draw depends only on its own key and logits, so a
+  request samples the same tokens whichever other requests share its batch."""
   greedy = temperature <= 0
   col = lambda a: jnp.asarray(a)[:, None]  # noqa: E731  ([b] -> [b, 1], against [b, vocab])
   x = _filter(logits, col(jnp.where(greedy, 1.0, temperature)), col(top_k), col(top_p), col(min_p))

@@ -236,7 +236,9 @@ class ServingEngine:
         if errors[i] is None:
           params = RequestParams(max_tokens=int(m), temperature=s.temperature, top_p=s.top_p,
                                  top_k=s.top_k, min_p=s.min_p, seed=_prompt_seed(s.seed, i),
-                                 stop_token_ids=stops, ignore_eos=True)
+                                 stop_token_ids=stops, ignore_eos=True,
+                                 frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                                 repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias)
           rid = sch.add(a, params, f"generate-{call}-{i}", text=False)
           rids[rid], seqs[rid] = i, sch.requests[rid][0]
       bar = _progress(progress, sum(int(news[i]) for i in rids.values()))
@@ -282,11 +284,12 @@ class ServingEngine:
     self._numbers = None
     self._since_select = 0
 
-  def _decode(self, rids, tokens, reselect, ints=None, floats=None, keep_logits=False):
+  def _decode(self, rids, tokens, reselect, ints=None, floats=None, keep_logits=False, pen=None):
     """The decode step over the slots ``rids`` (None: empty) with each one's last token
     ``tokens int32[slots]``: ``(logits [slots, vocab], drawn)`` (device arrays); with the
     scheduler's sampling arguments ``ints`` / ``floats`` the rows' tokens are drawn in the same
-    executable (``scheduler.draw``; one dispatch per decode step), else ``drawn`` is None."""
+    executable (``scheduler.draw``, with the rows' ``pen`` Penalties or None; one dispatch per decode
+    step), else ``drawn`` is None."""
     for rid in rids:
       if rid is not None:
         self.cache.extend(rid, 1)
@@ -301,7 +304,7 @@ class ServingEngine:
         self._graphdef, self._params, self.cache_config, sel, self.cache.state, jnp.asarray(tokens),
         jnp.asarray(lengths), jnp.asarray(active), jnp.asarray(bt), jnp.asarray(stt),
         tuple(numbers), bool(reselect) if sel is not None else True, self.config.lserve.impl,
-        bool(keep_logits), ints, floats)
+        bool(keep_logits), ints, floats, pen)
     self._numbers = list(numbers) if sel is not None else None
     for rid in rids:
       if rid is not None:
@@ -311,13 +314,13 @@ class ServingEngine:
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 12, 13), donate_argnums=(4,))
 def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positions, active, bt,
-                 stt, numbers, reselect, impl, keep_logits, ints, floats):
+                 stt, numbers, reselect, impl, keep_logits, ints, floats, pen):
   model = nnx.merge(graphdef, params)
   view = PagedDecode(st, bt, stt, positions, active, tuple(numbers), config=c, selection=sel,
                      reselect=reselect, impl=impl)
   h, view = model.forward_hidden(tokens[:, None], positions=positions[:, None], cache=view)
   logits = model.logits(h)[:, 0]  # [slots, vocab]
-  drawn = None if ints is None else draw(logits[ints[0]], ints, floats, keep_logits)
+  drawn = None if ints is None else draw(logits[ints[0]], ints, floats, keep_logits, pen)
   return logits, drawn, view.state, view.numbers
 
 

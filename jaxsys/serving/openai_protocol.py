@@ -76,9 +76,10 @@ def chat_messages(messages) -> list[dict]:
 
 def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
   """``(RequestParams, max_tokens was omitted)`` from an OpenAI request body."""
-  for name in ("presence_penalty", "frequency_penalty"):
-    if body.get(name):
-      raise APIError(400, f"{name} is not supported (only 0)", name)
+  bias = body.get("logit_bias") or {}
+  if not isinstance(bias, dict):
+    raise APIError(400, f"logit_bias must be an object mapping token ids to biases, got {type(bias).__name__}",
+                   "logit_bias")
   if body.get("echo"):
     raise APIError(400, "echo is not supported", "echo")
   mt = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -105,7 +106,9 @@ def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
             top_k=body.get("top_k", 0) or 0, min_p=body.get("min_p", 0.0) or 0.0, seed=body.get("seed"),
             n=body.get("n", 1), stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop,
             stop_token_ids=tuple(body.get("stop_token_ids") or ()), ignore_eos=bool(body.get("ignore_eos")),
-            logprobs=logprobs, top_logprobs=top)
+            logprobs=logprobs, top_logprobs=top, frequency_penalty=body.get("frequency_penalty"),
+            presence_penalty=body.get("presence_penalty"), repetition_penalty=body.get("repetition_penalty"),
+            logit_bias=tuple(bias.items()))
   kw = {k: v for k, v in kw.items() if v is not None or k == "seed"}
   try:
     return RequestParams(max_tokens=16 if mt is None else mt, **kw), mt is None
@@ -115,12 +118,12 @@ def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
 
 # Request fields beyond these are refused (400): nothing a client asks for is silently ignored.
 _FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
-           "seed", "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "ignore_eos",
-           "stop_token_ids"}
+           "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "top_k",
+           "min_p", "ignore_eos", "stop_token_ids"}
 CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 TEXT_FIELDS = _FIELDS | {"prompt", "logprobs", "echo"}
 # Fields accepted only at a value that asks for nothing this server lacks.
-NEUTRAL = {"logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+NEUTRAL = {"response_format": ({"type": "text"},), "tools": ([],),
             "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,),
             "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default")}
 

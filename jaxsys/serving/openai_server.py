@@ -1,11 +1,15 @@
 """An OpenAI-compatible HTTP server over the step-level ``ServingEngine`` (FastAPI + uvicorn).
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed over SSE with
-``"stream": true``, else one JSON body), ``GET /v1/models``, ``GET /health``. Chats are rendered
-with the tokenizer's chat template. Request fields: ``max_tokens`` / ``max_completion_tokens``,
-``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` / ``top_logprobs`` (chat) or
-``logprobs: int`` (completions), ``stream_options.include_usage``, and vLLM's extras ``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids`` (``extra_body=`` in the ``openai`` client).
+``"stream": true``, else one JSON body), ``GET /v1/models``, ``GET /health``, and those of
+``openai_routes`` (``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/version``, ``/metrics``,
+API-key auth). Chats are rendered with the tokenizer's chat template. Request fields (parsed in
+``openai_protocol``): ``max_tokens`` / ``max_completion_tokens`` (default: the context the prompt
+leaves, capped by ``--max-tokens``), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
+``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``logprobs`` / ``top_logprobs`` (chat)
+or ``logprobs: int`` (completions), ``stream_options.include_usage``, and vLLM's extras ``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` (``extra_body=`` in the
+``openai`` client).
 
 Threads: the engine runs in one background thread (:class:`EngineLoop`), which alone calls
 ``add_request`` / ``step`` / ``abort``; HTTP handlers hand requests over through a locked command
@@ -13,7 +17,7 @@ queue and receive each step's outputs on an ``asyncio.Queue`` (``call_soon_threa
 that disconnects mid-stream aborts its request, which frees its pages at the next step.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-parameter, a field this server does not support (``tools``, ``logit_bias`` with entries, an
+parameter, a field this server does not support (``tools``, a JSON ``response_format``, an
 unknown name: nothing is silently ignored; fields at a neutral value such as ``"tool_choice":
 "none"`` or ``"user"`` pass) or a prompt + ``max_tokens`` beyond the context, 404 for an unknown
 model, 408 past ``--request-timeout`` (the work is aborted), 503 when ``max_pending`` sequences

@@ -1,7 +1,8 @@
 """Requests of the step-level engine: per-request parameters, their running state, step outputs.
 
 :class:`RequestParams` is what one request asks for (vLLM's ``SamplingParams``, OpenAI's request
-fields): the sampling distribution (temperature, top-p, top-k, min-p, seed), when to stop
+fields): the sampling distribution (temperature, top-p, top-k, min-p, seed; frequency, presence and
+repetition penalties and a logit bias, :func:`jaxsys.decoding.sampling.penalize`), when to stop
 (``max_tokens``, stop strings, stop token ids, EOS unless ``ignore_eos``), log-probabilities
 (``logprobs`` of the chosen tokens, ``top_logprobs`` alternatives) and ``n`` choices. A request
 with ``n > 1`` runs as ``n`` sequences (choice ``i`` draws with ``fold_in(seed, i)``); they share
@@ -54,6 +55,10 @@ class RequestParams:
   logprobs: bool = False
   top_logprobs: int = 0
   n: int = 1
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()   # ((token id, bias), ...) or OpenAI's {"id": bias}
 
   def __post_init__(self):
     if isinstance(self.stop, str):
@@ -70,13 +75,16 @@ class RequestParams:
       raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
     if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
       raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} must hold token ids >= 0")
-    self.sampling()  # validates temperature / top_p / top_k / min_p / seed (a uint32)
+    # validates temperature / top_p / top_k / min_p / seed (a uint32) / penalties / logit_bias
+    object.__setattr__(self, "logit_bias", self.sampling().logit_bias)
 
   def sampling(self, seed: int | None = None) -> SamplingParams:
     """The decoding core's :class:`SamplingParams` of this request (``seed`` overrides)."""
     s = self.seed if seed is None else seed
     return SamplingParams(self.temperature, self.top_k, self.top_p, 0 if s is None else s,
-                          min_p=self.min_p)
+                          min_p=self.min_p, frequency_penalty=self.frequency_penalty,
+                          presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                          logit_bias=self.logit_bias)
 
 
 @dataclasses.dataclass

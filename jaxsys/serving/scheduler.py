@@ -43,7 +43,7 @@ from flax import nnx
 
 from jaxsys.core.errors import InputError
 from jaxsys.decoding.core import bucket, check_prompts
-from jaxsys.decoding.sampling import sample_rows, token_logprobs
+from jaxsys.decoding.sampling import Penalties, penalize, sample_rows, token_logprobs
 from jaxsys.serving.paged_cache import PoolExhaustedError
 from jaxsys.serving.prefill import prefill_chunk
 from jaxsys.serving.prefix_cache import page_keys
@@ -239,7 +239,7 @@ class Scheduler:
     slots = len(self.slots)
     if decode and not chunks:  # a decode-only step: sampling runs inside the decode executable
       ints, floats = self._sample_args(decode, [s.slot for s in decode], [False] * len(decode))
-      _, drawn = self._decode(decode, ints, floats)
+      _, drawn = self._decode(decode, ints, floats, self._penalties(decode))
       return self._emit(decode, drawn)
     rows, src, from_prefill = [], [], []
     dec_logits = None
@@ -297,7 +297,7 @@ class Scheduler:
     s.status = DECODE
     return hidden
 
-  def _decode(self, decode, ints=None, floats=None):
+  def _decode(self, decode, ints=None, floats=None, pen=None):
     """One decode step over the slots: ``(logits [slots, vocab] (row i = slot i), drawn)``; with
     the sampling arguments of :meth:`_sample_args` ``drawn`` is what ``_sample_step`` returns."""
     e = self.engine
@@ -309,7 +309,7 @@ class Scheduler:
     key = tuple(rids)
     reselect = key != self._last_decode
     self._last_decode = key
-    out = e._decode(rids, tokens, reselect, ints, floats, self.keep_logits)
+    out = e._decode(rids, tokens, reselect, ints, floats, self.keep_logits, pen)
     for s in decode:
       s.computed += 1
     self.stats["decode_tokens"] += len(decode)
@@ -332,6 +332,15 @@ class Scheduler:
                        pad([q.min_p for q in p], np.float32)])                 # [3, slots]
     return ints, floats
 
+  def _penalties(self, rows):
+    """The rows' :class:`Penalties` padded to ``slots`` rows, or None when no row has any (the
+    common case: its executables then carry nothing for them)."""
+    params = [s.params.sampling(0) for s in rows]
+    if not any(p.penalized for p in params):
+      return None
+    return Penalties.rows(params, [s.out for s in rows], [s.prompt for s in rows],
+                          self.engine.model.config.vocab_size, len(self.slots))
+
   def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
     """Samples each row's next token (rows of decode slots and of just-prefilled prompts)."""
     e = self.engine
@@ -339,7 +348,7 @@ class Scheduler:
     # The model's parameters only when a prompt's last hidden state needs its logits (flattening
     # them costs host time on every call).
     out = _sample_step(e._graphdef, self.keep_logits, None if hidden is None else e._params,
-                       dec_logits, hidden, ints, floats)
+                       dec_logits, hidden, ints, floats, self._penalties(rows))
     return self._emit(rows, out)
 
   def _emit(self, rows, drawn) -> list[StepOutput]:
@@ -391,7 +400,7 @@ def _put_row(buf, row, i):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats):
+def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats, pen):
   """Row ``j``'s logits are ``dec_logits[src[j]]`` (a decode slot) or, where ``from_prefill[j]``,
   the model's logits of ``hidden[src[j]]`` (a prompt's last hidden state); each row then draws
   its next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``.
@@ -407,13 +416,18 @@ def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats
     pre = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
     parts.append(pre[src].astype(parts[0].dtype) if parts else pre[src])
   logits = parts[0] if len(parts) == 1 else jnp.where(from_prefill[:, None], parts[1], parts[0])
-  return draw(logits, ints, floats, keep_logits)
+  return draw(logits, ints, floats, keep_logits, pen)
 
 
-def draw(logits, ints, floats, keep_logits: bool):
+def draw(logits, ints, floats, keep_logits: bool, pen: Penalties | None = None):
   """Traced: row ``j`` of ``logits [slots, vocab]`` draws its token with its own parameters and
   key ``fold_in(fold_in(seed, choice), index)`` (``ints`` / ``floats`` of
-  ``Scheduler._sample_args``); also run inside the engine's decode executable."""
+  ``Scheduler._sample_args``), from the logits ``penalize`` gives with ``pen`` (None: no row has
+  penalties); the reported log-probabilities are the model's own. Also run inside the engine's
+  decode executable."""
+  raw = logits
+  if pen is not None:
+    logits = penalize(logits, pen)
   _, _, seeds, choice, index, top_k, want_logprobs = ints
   temperature, top_p, min_p = floats
   seeds = seeds.astype(jnp.uint32)
@@ -431,6 +445,6 @@ def draw(logits, ints, floats, keep_logits: bool):
   top = min(MAX_TOP_LOGPROBS, logits.shape[-1])
   b = logits.shape[0]
   out = (toks,) + jax.lax.cond(
-      jnp.any(want_logprobs > 0), lambda: token_logprobs(logits, toks, top),
+      jnp.any(want_logprobs > 0), lambda: token_logprobs(raw, toks, top),
       lambda: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32)))
-  return out + (logits,) if keep_logits else out
+  return out + (raw,) if keep_logits else out

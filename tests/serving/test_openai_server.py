@@ -242,7 +242,7 @@ def test_unsupported_fields_are_refused_not_ignored(setup):
   url = server.url + "/v1/chat/completions"
   base = {"model": NAME, "messages": _chat("hi"), "max_tokens": 2}
   refused = [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-             ({"logit_bias": {"5": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
+             ({"logit_bias": {"x": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
                                                           "response_format"),
              ({"frobnicate": 1}, "frobnicate"), ({"user": 7}, "user"), ({"suffix": "x"}, "suffix")]
   for extra, param in refused:
@@ -329,6 +329,32 @@ def test_tokenize_detokenize_version_embeddings_and_metrics(setup):
   assert value("jaxsys_preemptions") >= 0
   assert any(s.labels == {"endpoint": "/v1/completions", "status": "200"} and s.value >= 1
              for s in fams["jaxsys_requests"].samples)
+
+
+def test_logit_bias_and_penalties_through_the_batched_engine(setup):
+  """logit_bias +100 forces a token; with a +10 bias greedy repeats the token, and frequency +
+  presence penalties stop it after a few; a seeded sampled reply with penalties is the same twice;
+  a plain request sharing the batch with penalized ones gets its solo reply (rows are independent)."""
+  _, tok, engine, _, client = setup
+  x = tok.encode(" harbour")[0]
+  base = dict(model=NAME, messages=_chat("Weather?"), max_tokens=12, temperature=0)
+  forced = client.completions.create(model=NAME, prompt="The", max_tokens=4, temperature=0, logit_bias={str(x): 100})
+  assert forced.choices[0].text == tok.decode([x] * 4)
+
+  biased = client.chat.completions.create(**base, logit_bias={str(x): 10}).choices[0].message.content
+  assert biased == tok.decode([x] * 12)
+  plain = client.chat.completions.create(**base).choices[0].message.content
+  pen = dict(logit_bias={str(x): 10}, frequency_penalty=2.0, presence_penalty=2.0)
+  with concurrent.futures.ThreadPoolExecutor(2) as ex:  # penalized and plain rows in the same steps
+    both = [ex.submit(lambda: client.chat.completions.create(**base, **pen).choices[0].message.content),
+            ex.submit(lambda: client.chat.completions.create(**base).choices[0].message.content)]
+    penalized, plain_again = (f.result() for f in both)
+  assert plain_again == plain
+  assert penalized.count(" harbour") <= 4 and penalized != biased
+  seeded = dict(base, temperature=1.0, seed=11, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
+  first = client.chat.completions.create(**seeded).choices[0].message.content
+  assert client.chat.completions.create(**seeded).choices[0].message.content == first
+  assert _idle(engine)
 
 
 def test_request_timeout_aborts_and_frees_pages(setup):
