@@ -24,7 +24,7 @@ from jaxsys.experiments import REGISTRY
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "smollm2-135m-instruct"
 # Imported inside experiment functions, so importing the modules alone would not catch them.
-LAZY = ("uvicorn", "fastapi", "prometheus_client", "openai", "httpx", "torch", "transformers", "accelerate", "gguf", "matplotlib")
+LAZY = ("uvicorn", "fastapi", "prometheus_client", "llguidance", "openai", "httpx", "torch", "transformers", "accelerate", "gguf", "matplotlib")
 
 
 def readme_install_line() -> str:

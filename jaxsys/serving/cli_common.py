@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: ``generate`` / ``chat``: the most tokens a reply gets when ``--max-tokens`` is not given.
 CLI_MAX_TOKENS = 512
 #: What HTTP serving imports, all in the ``serve`` extra.
-SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "llguidance")
 _PLAIN = ("tiny", "random")
 
 

@@ -15,7 +15,7 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.serving.requests import RequestParams
 
 __all__ = ["APIError", "CHAT_FIELDS", "DEFAULTABLE", "NEUTRAL", "TEXT_FIELDS", "bad_request", "chat_messages",
-           "check_fields", "read_body", "request_params", "with_defaults"]
+           "check_fields", "read_body", "request_params", "tool_spec", "with_defaults"]
 
 
 class APIError(Exception):
@@ -70,8 +70,44 @@ def chat_messages(messages) -> list[dict]:
       c = "".join(part["text"] for part in c if part.get("type") == "text")
     if not isinstance(c, str):
       raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-    out.append({"role": str(m["role"]), "content": c})
+    msg = {"role": str(m["role"]), "content": c}
+    if m.get("tool_calls") is not None:  # an assistant turn that called tools (rendered by serving.tools)
+      msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+    if m.get("tool_call_id") is not None:
+      if not isinstance(m["tool_call_id"], str):
+        raise APIError(400, f"messages[{i}].tool_call_id must be a string", "messages")
+      msg["tool_call_id"] = m["tool_call_id"]
+    out.append(msg)
   return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+  ok = isinstance(calls, list) and all(
+      isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+      and isinstance(c["function"].get("arguments", ""), str) for c in calls)
+  if ok:
+    try:
+      for c in calls:
+        if not isinstance(json.loads(c["function"].get("arguments") or "{}"), dict):
+          ok = False
+    except ValueError:
+      ok = False
+  if not ok:
+    raise APIError(400, f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                   "\"function\": {\"name\", \"arguments\": <JSON object as a string>}}", "messages")
+  return [{"id": str(c.get("id", "")), "type": "function",
+           "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments") or "{}"}}
+          for c in calls]
+
+
+def tool_spec(body: dict):
+  """The request's ``serving.tools.ToolSpec`` (None without tools); a 400 naming the field."""
+  from jaxsys.serving.tools import parse_tools  # noqa: PLC0415
+  try:
+    return parse_tools(body)
+  except InputError as e:
+    raise APIError(400, str(e), "tool_choice" if str(e).startswith("tool_choice") else
+                   "parallel_tool_calls" if str(e).startswith("parallel") else "tools") from e
 
 
 def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
@@ -108,7 +144,7 @@ def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
             stop_token_ids=tuple(body.get("stop_token_ids") or ()), ignore_eos=bool(body.get("ignore_eos")),
             logprobs=logprobs, top_logprobs=top, frequency_penalty=body.get("frequency_penalty"),
             presence_penalty=body.get("presence_penalty"), repetition_penalty=body.get("repetition_penalty"),
-            logit_bias=tuple(bias.items()))
+            logit_bias=tuple(bias.items()), grammar=_grammar(body))
   kw = {k: v for k, v in kw.items() if v is not None or k == "seed"}
   try:
     return RequestParams(max_tokens=16 if mt is None else mt, **kw), mt is None
@@ -119,13 +155,53 @@ def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
 # Request fields beyond these are refused (400): nothing a client asks for is silently ignored.
 _FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
            "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "top_k",
-           "min_p", "ignore_eos", "stop_token_ids"}
-CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+           "min_p", "ignore_eos", "stop_token_ids", "response_format", "guided_json", "guided_regex",
+           "guided_choice"}
+CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
 TEXT_FIELDS = _FIELDS | {"prompt", "logprobs", "echo"}
 # Fields accepted only at a value that asks for nothing this server lacks.
-NEUTRAL = {"response_format": ({"type": "text"},), "tools": ([],),
-            "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,),
+NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,),
             "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default")}
+
+
+def _grammar(body: dict) -> str | None:
+  """The llguidance grammar of ``response_format`` (``json_object`` / ``json_schema``) or vLLM's
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` (at most one of them), or None."""
+  from jaxsys.serving.structured import grammar_for  # noqa: PLC0415
+  rf = body.get("response_format")
+  asks = {}
+  if rf is not None:
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+      asks["response_format"] = {"json_schema": {"type": "object"}}
+    elif kind == "json_schema":
+      spec = rf.get("json_schema")
+      schema = spec.get("schema") if isinstance(spec, dict) else None
+      if not isinstance(schema, dict):
+        raise APIError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                       "response_format")
+      asks["response_format"] = {"json_schema": schema}
+    elif kind != "text":
+      raise APIError(400, f"response_format={_short(rf)} must have type text, json_object or json_schema",
+                     "response_format")
+  for name, arg in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choices")):
+    if body.get(name) is not None:
+      asks[name] = {arg: body[name]}
+  spec = tool_spec(body)
+  if spec is not None:
+    from jaxsys.serving.tools import call_schema  # noqa: PLC0415
+    if (schema := call_schema(spec)) is not None:
+      asks["tool_choice"] = {"json_schema": schema}
+  if len(asks) > 1:
+    raise APIError(400, f"ask for one structured output at a time, got {sorted(asks)}", sorted(asks)[1])
+  if not asks:
+    return None
+  (name, kw), = asks.items()
+  try:
+    return grammar_for(**kw)
+  except (InputError, ConfigError) as e:
+    raise APIError(400, f"{name}: {e}", name) from e
 
 
 def check_fields(body: dict, chat: bool) -> None:

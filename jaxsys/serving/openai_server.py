@@ -7,9 +7,11 @@ API-key auth). Chats are rendered with the tokenizer's chat template. Request fi
 ``openai_protocol``): ``max_tokens`` / ``max_completion_tokens`` (default: the context the prompt
 leaves, capped by ``--max-tokens``), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
 ``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``logprobs`` / ``top_logprobs`` (chat)
-or ``logprobs: int`` (completions), ``stream_options.include_usage``, and vLLM's extras ``top_k``,
-``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` (``extra_body=`` in the
-``openai`` client).
+or ``logprobs: int`` (completions), ``stream_options.include_usage``, ``response_format``
+(``json_object`` / ``json_schema``: ``structured``), ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` (``tools``), and vLLM's extras ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``guided_json`` / ``guided_regex`` /
+``guided_choice`` (``extra_body=`` in the ``openai`` client).
 
 Threads: the engine runs in one background thread (:class:`EngineLoop`), which alone calls
 ``add_request`` / ``step`` / ``abort``; HTTP handlers hand requests over through a locked command
@@ -17,8 +19,7 @@ queue and receive each step's outputs on an ``asyncio.Queue`` (``call_soon_threa
 that disconnects mid-stream aborts its request, which frees its pages at the next step.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-parameter, a field this server does not support (``tools``, a JSON ``response_format``, an
-unknown name: nothing is silently ignored; fields at a neutral value such as ``"tool_choice":
+parameter, a field this server does not support (``best_of`` above 1, an unknown name: nothing is silently ignored; fields at a neutral value such as ``"tool_choice":
 "none"`` or ``"user"`` pass) or a prompt + ``max_tokens`` beyond the context, 404 for an unknown
 model, 408 past ``--request-timeout`` (the work is aborted), 503 when ``max_pending`` sequences
 are already queued or running or the engine thread has stopped. Limits: :class:`ServerLimits`.
@@ -46,7 +47,8 @@ import uuid
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.serving.openai_protocol import (APIError, bad_request, check_fields, chat_messages, read_body,
-                                           request_params, with_defaults)
+                                           request_params, tool_spec, with_defaults)
+from jaxsys.serving.tools import render, reply_message
 from jaxsys.serving.cli_common import with_system
 from jaxsys.serving.openai_routes import ServerMetrics, add_routes
 from jaxsys.serving.requests import RequestParams
@@ -319,7 +321,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str
       prompt_tokens, completion[item.index] = item.num_prompt_tokens, item.num_generated
     return texts, lps, reasons, prompt_tokens, completion
 
-  async def _serve(request, body, prompt, chat: bool):
+  async def _serve(request, body, prompt, chat: bool, tools=None):
     params, auto = request_params(with_defaults(body, defaults), chat)
     kind = "chatcmpl" if chat else "cmpl"
     rid = f"{kind}-{uuid.uuid4().hex[:24]}"
@@ -354,8 +356,9 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str
     for i in range(params.n):
       text, lp = "".join(texts[i]), lps[i] if params.logprobs else None
       if chat:
-        choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": _chat_logprobs(lp), "finish_reason": reasons[i]})
+        msg, called = ({"role": "assistant", "content": text}, False) if tools is None else reply_message(text, tools)
+        choices.append({"index": i, "message": msg, "logprobs": _chat_logprobs(lp),
+                        "finish_reason": "tool_calls" if called else reasons[i]})
       else:
         choices.append({"index": i, "text": text, "logprobs": _text_logprobs(lp),
                         "finish_reason": reasons[i]})
@@ -418,7 +421,19 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str
     check_fields(body, chat=True)
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
       raise APIError(400, "this model has no tokenizer chat template; use /v1/completions", "messages")
-    return await _serve(request, body, with_system(chat_messages(body.get("messages")), system), chat=True)
+    messages = with_system(chat_messages(body.get("messages")), system)
+    spec = tool_spec(body)
+    if spec is None:
+      return await _serve(request, body, messages, chat=True)
+    if body.get("stream") and spec.choice != "none":
+      raise APIError(400, "stream=true with tools is not supported (send tool_choice 'none' or stream=false)",
+                     "stream")
+    msgs, tools_arg = render(messages, spec, tokenizer.chat_template)
+    try:  # the prompt as ids: the template takes the tools (or they are in the messages by now)
+      ids = tokenizer.apply_chat_template(msgs, tools=tools_arg, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the template's error on this request's messages
+      raise APIError(400, f"the chat template could not render these messages with tools: {e}", "messages") from e
+    return await _serve(request, body, list(ids), chat=True, tools=spec)
 
   @app.post("/v1/completions")
   async def completions(request: Request):

@@ -3,7 +3,8 @@
 :class:`RequestParams` is what one request asks for (vLLM's ``SamplingParams``, OpenAI's request
 fields): the sampling distribution (temperature, top-p, top-k, min-p, seed; frequency, presence and
 repetition penalties and a logit bias, :func:`jaxsys.decoding.sampling.penalize`), when to stop
-(``max_tokens``, stop strings, stop token ids, EOS unless ``ignore_eos``), log-probabilities
+(``max_tokens``, stop strings, stop token ids, EOS unless ``ignore_eos``, a completed ``grammar``),
+the ``grammar`` its output must follow (``serving.structured``), log-probabilities
 (``logprobs`` of the chosen tokens, ``top_logprobs`` alternatives) and ``n`` choices. A request
 with ``n > 1`` runs as ``n`` sequences (choice ``i`` draws with ``fold_in(seed, i)``); they share
 the prompt's pages through the prefix cache.
@@ -59,6 +60,7 @@ class RequestParams:
   presence_penalty: float = 0.0
   repetition_penalty: float = 1.0
   logit_bias: tuple[tuple[int, float], ...] = ()   # ((token id, bias), ...) or OpenAI's {"id": bias}
+  grammar: str | None = None          # llguidance grammar the output must follow (serving.structured)
 
   def __post_init__(self):
     if isinstance(self.stop, str):
@@ -73,6 +75,9 @@ class RequestParams:
       raise ConfigError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, {MAX_TOP_LOGPROBS}]")
     if any(not isinstance(s, str) or not s for s in self.stop):
       raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
+    if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+      raise ConfigError(f"grammar={self.grammar!r} must be a non-empty llguidance grammar string "
+                        "(serving.structured.grammar_for)")
     if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
       raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} must hold token ids >= 0")
     # validates temperature / top_p / top_k / min_p / seed (a uint32) / penalties / logit_bias
@@ -135,6 +140,7 @@ class SeqState:
   finish_reason: str | None = None
   text: Any = None                    # TextStream (with a tokenizer)
   preemptions: int = 0
+  constraint: Any = None              # serving.structured.Constraint (a request with a grammar)
 
   @property
   def rid(self) -> tuple[str, int]:

@@ -44,6 +44,7 @@ from flax import nnx
 from jaxsys.core.errors import InputError
 from jaxsys.decoding.core import bucket, check_prompts
 from jaxsys.decoding.sampling import Penalties, penalize, sample_rows, token_logprobs
+from jaxsys.serving.structured import Constraint, ll_tokenizer
 from jaxsys.serving.paged_cache import PoolExhaustedError
 from jaxsys.serving.prefill import prefill_chunk
 from jaxsys.serving.prefix_cache import page_keys
@@ -103,10 +104,17 @@ class Scheduler:
     stops = set(params.stop_token_ids)
     if not params.ignore_eos:
       stops |= set(self.engine.stop_tokens)
+    ll_tok = None
+    if params.grammar is not None:
+      if self.tokenizer is None:
+        raise InputError("a grammar (structured output) needs the engine's tokenizer")
+      ll_tok = ll_tokenizer(self.tokenizer, self.engine.model.config.vocab_size, self.engine.stop_tokens)
     seqs = []
     for i in range(params.n):
       self._arrival += 1
       s = SeqState(request_id, i, ids, params, seed, self._arrival, frozenset(stops))
+      if ll_tok is not None:
+        s.constraint = Constraint(ll_tok, params.grammar)
       if self.tokenizer is not None and text:
         s.text = TextStream(self.tokenizer, params.stop)
       seqs.append(s)
@@ -333,13 +341,18 @@ class Scheduler:
     return ints, floats
 
   def _penalties(self, rows):
-    """The rows' :class:`Penalties` padded to ``slots`` rows, or None when no row has any (the
-    common case: its executables then carry nothing for them)."""
+    """The rows' :class:`Penalties` padded to ``slots`` rows, with each constrained row's grammar
+    mask in its bias (-inf on the tokens it forbids), or None when no row has either (the common
+    case: its executables then carry nothing for them)."""
     params = [s.params.sampling(0) for s in rows]
-    if not any(p.penalized for p in params):
+    if not any(p.penalized for p in params) and all(s.constraint is None for s in rows):
       return None
-    return Penalties.rows(params, [s.out for s in rows], [s.prompt for s in rows],
-                          self.engine.model.config.vocab_size, len(self.slots))
+    vocab = self.engine.model.config.vocab_size
+    pen = Penalties.rows(params, [s.out for s in rows], [s.prompt for s in rows], vocab, len(self.slots))
+    for i, s in enumerate(rows):
+      if s.constraint is not None:
+        pen.bias[i, ~s.constraint.allowed(vocab)] = -np.inf
+    return pen
 
   def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
     """Samples each row's next token (rows of decode slots and of just-prefilled prompts)."""
@@ -370,8 +383,9 @@ class Scheduler:
                             [(int(a), float(v)) for a, v in zip(top_ids[i, :k], top_lp[i, :k])])]
         s.logprobs += lps
       text, hit = ("", False) if s.text is None else s.text.add(s.out)
+      complete = s.constraint is not None and s.constraint.advance(tok)
       reason = None
-      if tok in s.stop_ids or hit:
+      if tok in s.stop_ids or hit or complete:
         reason = "stop"
       elif len(s.out) >= s.params.max_tokens:
         reason = "length"

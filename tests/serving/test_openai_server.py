@@ -8,6 +8,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import re
 import time
 
 import httpx
@@ -241,8 +242,8 @@ def test_unsupported_fields_are_refused_not_ignored(setup):
   _, _, engine, server, _ = setup
   url = server.url + "/v1/chat/completions"
   base = {"model": NAME, "messages": _chat("hi"), "max_tokens": 2}
-  refused = [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-             ({"logit_bias": {"x": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
+  refused = [({"tools": [{"type": "function"}]}, "tools"),
+             ({"logit_bias": {"x": 10}}, "logit_bias"), ({"response_format": {"type": "xml"}},
                                                           "response_format"),
              ({"frobnicate": 1}, "frobnicate"), ({"user": 7}, "user"), ({"suffix": "x"}, "suffix")]
   for extra, param in refused:
@@ -354,6 +355,101 @@ def test_logit_bias_and_penalties_through_the_batched_engine(setup):
   seeded = dict(base, temperature=1.0, seed=11, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
   first = client.chat.completions.create(**seeded).choices[0].message.content
   assert client.chat.completions.create(**seeded).choices[0].message.content == first
+  assert _idle(engine)
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 150},
+                         "ok": {"type": "boolean"}}}
+
+
+def test_structured_outputs_follow_their_grammar(setup):
+  """response_format json_schema: 20 sampled replies (8 at a time, beside plain rows) all parse and
+  validate; json_object gives an object; vLLM's guided_choice / guided_regex hold; bad specs are 400s."""
+  import json
+  _, _, engine, _, client = setup
+  fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+  def person(i):
+    r = client.chat.completions.create(model=NAME, messages=_chat(f"Describe sailor number {i}."), max_tokens=64,
+                                       temperature=1.0, seed=i, response_format=fmt).choices[0]
+    return r.finish_reason, json.loads(r.message.content)
+
+  with concurrent.futures.ThreadPoolExecutor(8) as ex:
+    plain = ex.submit(lambda: client.chat.completions.create(model=NAME, messages=_chat("Boats?"), max_tokens=8,
+                                                             temperature=0).choices[0].message.content)
+    people = list(ex.map(person, range(20)))
+  for reason, obj in people:
+    assert reason == "stop" and set(obj) == {"name", "age", "ok"}, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 8 and isinstance(obj["ok"], bool)
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
+  assert plain.result() == client.chat.completions.create(model=NAME, messages=_chat("Boats?"), max_tokens=8,
+                                                          temperature=0).choices[0].message.content
+  obj = client.chat.completions.create(model=NAME, messages=_chat("JSON please"), max_tokens=48, temperature=0,
+                                       response_format={"type": "json_object"}).choices[0]
+  assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
+  choice = client.completions.create(model=NAME, prompt="The tide is", max_tokens=8, temperature=1.0, seed=3,
+                                     extra_body={"guided_choice": ["in", "out", "turning"]}).choices[0].text
+  assert choice in ("in", "out", "turning")
+  code = client.completions.create(model=NAME, prompt="Code:", max_tokens=8, temperature=1.0, seed=4,
+                                   extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"}).choices[0].text
+  assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code), code
+  for extra, param in (({"response_format": {"type": "xml"}}, "response_format"),
+                       ({"response_format": {"type": "json_schema"}}, "response_format"),
+                       ({"extra_body": {"guided_regex": "("}}, "guided_regex"),
+                       ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}},
+                        "response_format")):
+    with pytest.raises(openai.BadRequestError) as e:
+      client.chat.completions.create(model=NAME, messages=_chat("hi"), max_tokens=2, **extra)
+    assert e.value.body["param"] == param, (extra, e.value.body)
+  assert _idle(engine)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 10}}}}}
+
+
+def test_tool_call_round_trip(setup):
+  """tools + tool_choice: a named function (and 'required') is called with arguments that follow its
+  schema; the call and the tool's result go back in the chat and the final answer is text; 'none'
+  and 'auto' give text for this model; bad tool specs are 400s naming the field."""
+  import json
+  _, _, engine, _, client = setup
+  messages = _chat("What is the weather in Oslo?")
+  first = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=48,
+                                         temperature=0, tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}})
+  choice = first.choices[0]
+  assert choice.finish_reason == "tool_calls" and choice.message.content is None
+  (call,) = choice.message.tool_calls
+  args = json.loads(call.function.arguments)
+  assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+  assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 10
+  required = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=48,
+                                            temperature=1.0, seed=2, tool_choice="required").choices[0]
+  assert required.finish_reason == "tool_calls" and required.message.tool_calls[0].function.name == "get_weather"
+  history = messages + [choice.message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 11})}]
+  final = client.chat.completions.create(model=NAME, messages=history, tools=[WEATHER], max_tokens=6,
+                                         temperature=0, tool_choice="none").choices[0]
+  assert final.message.tool_calls is None and isinstance(final.message.content, str)
+  assert final.finish_reason in ("stop", "length")
+  auto = client.chat.completions.create(model=NAME, messages=history, tools=[WEATHER], max_tokens=6,
+                                        temperature=0).choices[0]
+  assert auto.message.content == final.message.content  # a random model's text is not a call
+  for kw, param in ((dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                     "tool_choice"),
+                    (dict(tool_choice="required"), "tool_choice"),
+                    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+                    (dict(tools=[WEATHER], tool_choice="required", stream=True), "stream"),
+                    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                     "tool_choice")):
+    with pytest.raises(openai.BadRequestError) as e:
+      client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, **kw)
+    assert e.value.body["param"] == param, (kw, e.value.body)
   assert _idle(engine)
 
 
