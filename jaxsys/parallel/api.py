@@ -35,6 +35,7 @@ from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import place, program_mesh
 from jaxsys.ops.attn.api import attention
 from jaxsys.ops.attn.common import validate
+from jaxsys.ops.masks import Mask
 from jaxsys.parallel import zigzag as zz
 from jaxsys.parallel.hybrid import hybrid_attention_shard
 from jaxsys.parallel.ring import check_relative_mask, ring_attention_shard
@@ -149,6 +150,13 @@ def allgather_attention_shard(q, k, v, *, axis, mask=None, segment_ids=None, sca
 
 def check_plan_inputs(plan: SPPlan, q, k, mask, seq_len: int, pad: bool):
   """Clear errors for shapes or masks the plan cannot serve."""
+  if mask is not None and not isinstance(mask, Mask):
+    # a dense [b|1, h|1, q, k] array would have to be cut along q and k like the shards are
+    raise NotImplementedError(
+        f"sequence-parallel attention (strategy={plan.strategy!r}) takes mask= as a lazy "
+        f"jaxsys.ops.masks.Mask (Full, Causal, Local, ... and their combinations), not a dense "
+        f"array (got {type(mask).__name__} of shape {getattr(mask, 'shape', None)}); pass padding "
+        f"as segment_ids, or use jaxsys.ops.attention on one device")
   if plan.ulysses_size > 1:
     check_heads(q.shape[2], k.shape[2], plan.ulysses_size)
   if plan.strategy in ("ring", "zigzag", "hybrid"):

@@ -84,6 +84,19 @@ def test_bf16_inputs(devices):
   assert max(errs) < 4e-2, errs
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "allgather", "ring", "hybrid"])
+@pytest.mark.parametrize("dtype", [jnp.bool_, jnp.float32])
+def test_dense_mask_is_refused(devices, strategy, dtype):
+  """A dense boolean or additive ``mask=`` array is refused by every strategy, never dropped."""
+  from jaxsys.parallel import sequence_parallel_attention
+  q, k, v, _ = inputs(s=16)
+  dense = jnp.asarray(masks.Local(4).dense(16, 16))[None]          # [1, 1, 16, 16]
+  dense = dense if dtype == jnp.bool_ else jnp.where(dense, 0.0, -jnp.inf)
+  mesh = build_mesh("explicit", {"ring": 2, "ulysses": 4})
+  with pytest.raises(NotImplementedError, match=r"mask= as a lazy .*not a dense array"):
+    sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, mask=dense)
+
+
 def test_padding_unaligned_length(devices):
   """s=27 is not a multiple of 2*2*4; pad=True pads (a separate segment) and slices back."""
   got, want = sp_vs_reference("hybrid", (2, 4), mask=CAUSAL, s=27, pad=True)
