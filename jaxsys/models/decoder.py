@@ -35,6 +35,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.nn.attention import Attention, default_attention_fn
+from jaxsys.nn.explicit import call_on_auto_axes, explicit_mesh
 from jaxsys.nn.layers import DECODE_FORMATS, DecodeWeight, Embed, RMSNorm, SwiGLU, constrain, param
 
 __all__ = ["DecoderConfig", "Decoder", "CausalLM", "DecoderLayer", "DecoderOutput",
@@ -143,6 +144,14 @@ class Decoder(nnx.Module):
   # ---- full model ---------------------------------------------------------------------------
   def __call__(self, tokens=None, *, positions=None, segment_ids=None, cache=None,
                return_hidden: bool = False, embeds=None):
+    mesh = explicit_mesh(tokens, embeds, positions, nnx.state(self, nnx.Param))
+    if mesh is not None:  # Explicit mesh axes: the layers' annotations are hints (nn.explicit)
+      return call_on_auto_axes(
+          self, lambda m, *a: m._call(*a, return_hidden=return_hidden), mesh,
+          tokens if tokens is not None else embeds, tokens, positions, segment_ids, cache, embeds)
+    return self._call(tokens, positions, segment_ids, cache, embeds, return_hidden=return_hidden)
+
+  def _call(self, tokens, positions, segment_ids, cache, embeds, *, return_hidden: bool):
     h, cache_out = self.forward_hidden(tokens, positions=positions, segment_ids=segment_ids,
                                        cache=cache, embeds=embeds)
     logits = self.logits(h)
@@ -157,8 +166,17 @@ class Decoder(nnx.Module):
     This is the library's only loop over the blocks: prefill, decode, paged LServe decode,
     speculative verification and the streaming-gate distillation all run through it with their
     own ``cache`` (the protocol of ``jaxsys.decoding.cache``). Callers apply :meth:`logits` to
-    the positions they need (e.g. the last prompt token).
+    the positions they need (e.g. the last prompt token). On Explicit mesh axes it runs through
+    ``jaxsys.nn.explicit.call_on_auto_axes``, as ``__call__`` does.
     """
+    mesh = explicit_mesh(tokens, embeds, positions, nnx.state(self, nnx.Param))
+    if mesh is not None:
+      return call_on_auto_axes(self, lambda m, *a: m._forward_hidden(*a), mesh,
+                               tokens if tokens is not None else embeds,
+                               tokens, positions, segment_ids, cache, embeds)
+    return self._forward_hidden(tokens, positions, segment_ids, cache, embeds)
+
+  def _forward_hidden(self, tokens, positions, segment_ids, cache, embeds):
     x = self._inputs(tokens, embeds)
     b, s = x.shape[:2]
     lengths = None if cache is None else cache.lengths

@@ -52,7 +52,8 @@ class LoRAParam(nnx.Param):
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
   """``rank`` r, ``alpha`` (the update is scaled by ``alpha / rank``), ``targets``: regexes over
-  parameter paths such as ``layers/0/attn/wq`` (``re.search``; empty: every projection)."""
+  parameter paths such as ``layers/0/attn/wq`` (``re.search``, among parameters of rank >= 2;
+  empty: every projection)."""
   rank: int = 8
   alpha: float = 16.0
   targets: tuple[str, ...] = ()
@@ -149,6 +150,8 @@ def _targets(model: nnx.Module, cfg: LoRAConfig) -> list[tuple[tuple, nnx.Param]
                                           for k in path):
       continue
     name = path_name(path)
+    if var.get_value().ndim < 2:  # biases and norm scales are not projections
+      continue
     if cfg.targets:
       if any(re.search(t, name) for t in cfg.targets):
         found.append((path, var))
