@@ -116,8 +116,6 @@ def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
   if not isinstance(bias, dict):
     raise APIError(400, f"logit_bias must be an object mapping token ids to biases, got {type(bias).__name__}",
                    "logit_bias")
-  if body.get("echo"):
-    raise APIError(400, "echo is not supported", "echo")
   mt = body.get("max_completion_tokens", body.get("max_tokens"))
   stop = body.get("stop") or ()
   if isinstance(stop, str):
@@ -154,14 +152,16 @@ def request_params(body: dict, chat: bool) -> tuple[RequestParams, bool]:
 
 # Request fields beyond these are refused (400): nothing a client asks for is silently ignored.
 _FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
-           "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "top_k",
+           "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k",
            "min_p", "ignore_eos", "stop_token_ids", "response_format", "guided_json", "guided_regex",
-           "guided_choice"}
+           "guided_choice"} | {"user", "safety_identifier", "prompt_cache_key"}
+# Identifiers of the end user or of a cache shard: strings that change nothing in the output.
+_IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
 CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls"}
-TEXT_FIELDS = _FIELDS | {"prompt", "logprobs", "echo"}
+TEXT_FIELDS = _FIELDS | {"prompt", "logprobs"}
 # Fields accepted only at a value that asks for nothing this server lacks.
-NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,),
+NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "best_of": (1,), "echo": (False,),
             "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default")}
 
 
@@ -209,8 +209,8 @@ def check_fields(body: dict, chat: bool) -> None:
   known = CHAT_FIELDS if chat else TEXT_FIELDS
   for name, value in body.items():
     if name in known or value is None:
-      if name == "user" and not isinstance(value, (str, type(None))):
-        raise APIError(400, f"user must be a string, got {type(value).__name__}", "user")
+      if name in _IDENTIFIERS and not isinstance(value, (str, type(None))):
+        raise APIError(400, f"{name} must be a string, got {type(value).__name__}", name)
       continue
     if name in NEUTRAL:
       if any(type(value) is type(ok) and value == ok for ok in NEUTRAL[name]):

@@ -259,6 +259,53 @@ def test_unsupported_fields_are_refused_not_ignored(setup):
   assert _idle(engine)
 
 
+# Every field of the official client's request schemas that the server honours, and the test that
+# checks it; every other field must be refused with a 400 naming it.
+HONOURED = {
+    "model": "test_errors_have_openai_shape", "messages": "test_chat_streaming_equals_non_streaming_and_models",
+    "prompt": "test_a_non_streaming_client_that_gives_up_frees_its_work",
+    "stream": "test_chat_streaming_equals_non_streaming_and_models",
+    "stream_options": "test_chat_streaming_equals_non_streaming_and_models",
+    "max_tokens": "test_errors_have_openai_shape", "max_completion_tokens": "test_malformed_fields_are_400s_that_leave_nothing_queued",
+    "temperature": "test_n_stop_and_logprobs", "top_p": "test_errors_have_openai_shape", "n": "test_n_stop_and_logprobs",
+    "stop": "test_n_stop_and_logprobs", "seed": "test_n_stop_and_logprobs", "logprobs": "test_n_stop_and_logprobs",
+    "top_logprobs": "test_n_stop_and_logprobs",
+    "frequency_penalty": "test_logit_bias_and_penalties_through_the_batched_engine",
+    "presence_penalty": "test_logit_bias_and_penalties_through_the_batched_engine",
+    "logit_bias": "test_logit_bias_and_penalties_through_the_batched_engine",
+    "response_format": "test_structured_outputs_follow_their_grammar", "tools": "test_tool_call_round_trip",
+    "tool_choice": "test_tool_call_round_trip", "parallel_tool_calls": "test_tool_call_round_trip",
+    "user": "test_unsupported_fields_are_refused_not_ignored",
+    "safety_identifier": "test_request_schema_fields_are_honoured_or_refused",
+    "prompt_cache_key": "test_request_schema_fields_are_honoured_or_refused",
+}
+
+
+def test_request_schema_fields_are_honoured_or_refused(setup):
+  """Walks the official client's chat and completions request schemas field by field: a field is
+  either honoured (and HONOURED names the test that checks it) or refused with a 400 naming it."""
+  from openai.types import completion_create_params as text_params
+  from openai.types.chat import completion_create_params as chat_params
+
+  from jaxsys.serving.openai_protocol import CHAT_FIELDS, TEXT_FIELDS
+  _, _, engine, server, _ = setup
+  for route, params, fields, base in (
+      ("/v1/chat/completions", chat_params, CHAT_FIELDS, {"messages": _chat("hi")}),
+      ("/v1/completions", text_params, TEXT_FIELDS, {"prompt": "hi"})):
+    schema = set(params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    for name in sorted(schema):
+      if name in fields:
+        assert callable(globals().get(HONOURED[name])), name
+        continue
+      r = httpx.post(server.url + route, json={"model": NAME, "max_tokens": 2, **base, name: "__unsupported__"},
+                     timeout=30)
+      assert r.status_code == 400 and r.json()["error"]["param"] == name, (route, name, r.text)
+  ok = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+      "model": NAME, "messages": _chat("hi"), "max_tokens": 2, "safety_identifier": "u-1", "prompt_cache_key": "k"})
+  assert ok.status_code == 200, ok.text
+  assert _idle(engine)
+
+
 def test_api_key_server_defaults_and_system(setup):
   """--api-key: every /v1 route answers 401 without the Bearer key (health, version, metrics and
   tokenize stay open); server-side defaults fill the fields a request omits, and --system leads a
