@@ -45,6 +45,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "cluster": ("experiments.cluster", "Helios / Acme / SchedMate", "scheduling, energy saving, fault tolerance"),
     "spiking_nerf": ("experiments.spiking_nerf", "SpikingNeRF", "spiking vs ANN colour MLP: PSNR, energy, TP vs TCP packing"),
     "date": ("experiments.date", "DATE", "dual-assignment NMS-free detection: steps to AP, NMS-free AP, inference time"),
+    "scaling": ("experiments.scaling", "decoder LM on a pod", "FSDP/TP loss curves vs 1 device, memory and collectives per device, LoRA state"),
 }
 
 #: Wall seconds of each ``--quick`` run on 2 idle CPU cores (the fresh-clone run of
@@ -52,7 +53,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 QUICK_SECONDS: dict[str, float] = {
     "attention": 51, "decode_speed": 19, "real_lm": 96, "tiny_lm": 43, "mmsp": 48, "vniah": 58,
     "mrsp": 126, "lserve": 89, "serving": 110, "tlt": 102, "torchgt": 138, "gnn_quant": 74, "cluster": 46,
-    "spiking_nerf": 53, "date": 108,
+    "spiking_nerf": 53, "date": 108, "scaling": 60,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to

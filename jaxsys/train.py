@@ -75,7 +75,7 @@ from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exp
 from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
 
 __all__ = [
-    "apply_optax", "causal_lm_loss", "init_health", "make_loop_step", "make_optimizer",
+    "apply_optax", "causal_lm_loss", "init_health", "lower_step", "make_loop_step", "make_optimizer",
     "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "train", "TrainConfig",
     "TrainResult",
 ]
@@ -370,25 +370,11 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
   :class:`NonFiniteError` on a non-finite step with ``cfg.on_nonfinite="raise"``.
   """
   from jaxsys.core.checkpoint import Checkpointer
-  from jaxsys.nn.layers import param_specs
-  from jaxsys.nn.lora import trainable_filter
   unknown = sorted(set(allow_config_change) - set(MATH_FIELDS))
   if unknown:
     raise ConfigError(f"allow_config_change={tuple(allow_config_change)!r} names {unknown}, "
                       f"which are not among {MATH_FIELDS}")
-  # trained: every nnx.Param, or the LoRA adapters alone, minus cfg.freeze; frozen parameters
-  # travel with the rest of the model state (no gradient, no optimizer state)
-  graphdef, params_state, frozen, rest = nnx.split(model, trainable_filter(model, cfg.freeze),
-                                                   nnx.Param, ...)
-  if mesh is not None:
-    specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules))
-    params = _place(nnx.to_pure_dict(params_state), specs, mesh)
-    nnx.replace_by_pure_dict(frozen, _place(nnx.to_pure_dict(frozen), specs, mesh))
-  else:
-    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params_state))  # donated below
-  rest = nnx.merge_state(frozen, rest)
-  tx = make_optimizer(cfg)
-  opt_state = tx.init(params)
+  graphdef, params, rest, template, opt_state = _setup(model, cfg, mesh)
   start = 0
   ckpt = None
   log_path = None
@@ -407,7 +393,6 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
     _truncate_log(log_path, start)
   _check_finite_state({"params": params, "opt_state": opt_state},
                       f"the state at step {start}" + (" (restored)" if start else ""))
-  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
   step_fn = _cached_step(graphdef, template, cfg, loss_fn)
   end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
   end = max(end, start)
@@ -472,6 +457,36 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
       ckpt.close()
   nnx.update(model, _to_state(template, params))
   return TrainResult(model, end, history, skipped)
+
+
+def _setup(model, cfg: TrainConfig, mesh):
+  """``(graphdef, params, rest, template, opt_state)``: the trained parameters as a pure dict
+  (every nnx.Param, or the LoRA adapters alone, minus ``cfg.freeze``) placed on ``mesh`` by
+  ``cfg.rules``, the rest of the model state (frozen parameters placed the same way: no
+  gradient, no optimizer state), the trained state's shapes and the fresh optimizer state."""
+  from jaxsys.nn.layers import param_specs
+  from jaxsys.nn.lora import trainable_filter
+  graphdef, params_state, frozen, rest = nnx.split(model, trainable_filter(model, cfg.freeze),
+                                                   nnx.Param, ...)
+  if mesh is not None:
+    specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules))
+    params = _place(nnx.to_pure_dict(params_state), specs, mesh)
+    nnx.replace_by_pure_dict(frozen, _place(nnx.to_pure_dict(frozen), specs, mesh))
+  else:
+    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params_state))  # donated by the step
+  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
+  return graphdef, params, nnx.merge_state(frozen, rest), template, make_optimizer(cfg).init(params)
+
+
+@on_auto_axes
+def lower_step(model, batch: dict, cfg: TrainConfig, *, loss_fn=causal_lm_loss, mesh=None):
+  """The ``jax.stages.Lowered`` of one :func:`train` step on ``batch``, with the parameters and
+  optimizer state placed as ``train`` places them: ``.compile().memory_analysis()`` gives the
+  per-device bytes, ``.compile().as_text()`` the collectives (``experiments/scaling.py``)."""
+  graphdef, params, rest, template, opt_state = _setup(model, cfg, mesh)
+  step = _cached_step(graphdef, template, cfg, loss_fn)
+  with jax.set_mesh(mesh) if mesh is not None else _null():
+    return step.lower(params, opt_state, rest, _place_batch(batch, mesh), init_health(0))
 
 
 class _null:

@@ -15,7 +15,7 @@ from jaxsys import train as T
 from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import make_mesh
 from jaxsys.data import synthetic as S
-from jaxsys.nn.layers import param_specs, shard_params
+from jaxsys.nn.layers import shard_params
 
 CFG = M.DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=8, num_kv_heads=4, max_position_embeddings=64)
@@ -60,19 +60,11 @@ def test_tp_rules_still_match_one_device():
 
 
 def _state_bytes_per_device(mesh, rules):
-  """Bytes per device of parameters + AdamW state, as the compiled step's arguments count them."""
-  from flax import nnx
-  model = M.random_model(CFG, seed=0)
-  graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
-  params = nnx.to_pure_dict(params_state)
-  if mesh is not None:
-    specs = nnx.to_pure_dict(param_specs(model, mesh, rules))
-    params = jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), params, specs)
-  tx = T.make_optimizer(TRAIN)
-  opt_state = tx.init(params)
-  step = jax.jit(lambda p, o: tx.update(p, o, p))  # reads every parameter and optimizer leaf once
-  mem = step.lower(params, opt_state).compile().memory_analysis()
-  return mem.argument_size_in_bytes
+  """Bytes per device of parameters + AdamW state (+ the batch shard), as the compiled train
+  step's arguments count them (``jaxsys.train.lower_step``: placed as ``train`` places them)."""
+  cfg = T.TrainConfig(**{**TRAIN.__dict__, "rules": rules})
+  lowered = T.lower_step(M.random_model(CFG, seed=0), batches(0), cfg, mesh=mesh)
+  return lowered.compile().memory_analysis().argument_size_in_bytes
 
 
 def test_fsdp_shrinks_parameter_and_optimizer_memory_8x():
