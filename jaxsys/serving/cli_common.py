@@ -22,6 +22,7 @@ import importlib.util
 from pathlib import Path
 
 from jaxsys.core.errors import InputError
+from jaxsys.models.pretrained import DEFAULT_MODEL
 
 __all__ = ["CLI_MAX_TOKENS", "DTYPES", "SERVE_MODULES", "add_model_args", "add_sampling_args", "load_model",
            "missing_extra", "sampling_params", "with_system"]
@@ -56,7 +57,7 @@ def _positive_int(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser, default: str | None) -> None:
   p.add_argument("--model", "-m", default=default,
                  help="registered name (smollm2-135m-instruct), a .gguf file, a Hugging Face checkpoint "
-                      f"folder, or tiny / random (default: {default})")
+                      f"folder, or tiny / random (default: {default or DEFAULT_MODEL})")
   p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameters and activations")
 
 
