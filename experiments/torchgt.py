@@ -256,6 +256,7 @@ def train_large(s: dict, seed: int) -> tuple[list[Row], dict]:
   """A few GT training steps (topology attention, 1 layer) on the largest synthetic graph."""
   import optax
 
+  from jaxsys.graphs.node_loss import masked_node_cross_entropy
   from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
   from jaxsys.train import make_train_step
   n = s["train_nodes"]
@@ -275,8 +276,7 @@ def train_large(s: dict, seed: int) -> tuple[list[Row], dict]:
   mask = jnp.asarray(ds_r.train_mask | ds_r.val_mask)
 
   def loss_fn(model, x, inputs, labels, mask):
-    ce = optax.softmax_cross_entropy_with_integer_labels(model(x, inputs), labels)
-    return jnp.sum(ce * mask) / jnp.sum(mask)
+    return masked_node_cross_entropy(model(x, inputs), labels, mask)
 
   step = make_train_step(loss_fn, tx, graphdef=graphdef)
   losses, times = [], []

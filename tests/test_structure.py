@@ -295,3 +295,52 @@ def test_one_on_device_decode_loop():
                 _calls(tree, {"vanilla_step", "drafter_sync", "verify", "draft"})]
   assert not loops, "a second decode loop:\n" + "\n".join(loops)
   assert not steps, "a decode step called outside the on-device loops:\n" + "\n".join(steps)
+
+
+# ----------------------------------------------------------------------------- node classification
+
+CROSS_ENTROPY = {"softmax_cross_entropy_with_integer_labels", "softmax_cross_entropy", "log_softmax"}
+NODE_LOSS = "jaxsys/graphs/node_loss.py"  # the one masked node cross-entropy
+GRAPH_STACK = ("jaxsys.graphs", "jaxsys.models.gnn", "jaxsys.models.graph", "jaxsys.parallel.graph",
+               "jaxsys.nn.graph", "jaxsys.ops.graph_attn", "jaxsys.ops.quantized_agg")
+# where the five copies lived: (package root, file name), found by name so a move keeps them
+FORMER_COPIES = (("jaxsys/models", "gnn.py"), ("jaxsys/models", "graph_transformer.py"),
+                 ("jaxsys/parallel", "graph.py"), ("jaxsys/parallel", "graph_comm.py"),
+                 ("experiments", "torchgt.py"))
+
+
+def node_classification_cross_entropies(tree: ast.AST) -> list[tuple[int, str]]:
+  """Cross-entropy calls in a module that uses the graph stack (imports from ``GRAPH_STACK`` or
+  ``from jaxsys import graphs``, at any depth): each is a masked node cross-entropy written again."""
+  uses_graphs = False
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Import):
+      uses_graphs |= any(a.name.startswith(GRAPH_STACK) for a in n.names)
+    elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+      uses_graphs |= n.module.startswith(GRAPH_STACK) or (
+          n.module == "jaxsys" and any(a.name == "graphs" for a in n.names))
+  return _calls(tree, CROSS_ENTROPY) if uses_graphs else []
+
+
+def test_one_masked_node_cross_entropy():
+  """Node classification's loss is ``jaxsys.graphs.node_loss.masked_node_cross_entropy``: no
+  module on the graph stack calls a cross-entropy itself, and each former copy calls the one."""
+  copy = ast.parse("def f(model, x, inputs, y, m):\n  from jaxsys.graphs import inputs\n"
+                   "  ce = optax.softmax_cross_entropy_with_integer_labels(model(x, inputs), y)\n"
+                   "  return jnp.sum(ce * m) / jnp.sum(m)\n")
+  assert node_classification_cross_entropies(copy) == [(3, "softmax_cross_entropy_with_integer_labels")]
+  lm_loss = ast.parse("import optax\nce = optax.softmax_cross_entropy(logits, targets)\n")
+  assert node_classification_cross_entropies(lm_loss) == []  # token losses are not node losses
+  found = []
+  for package in ("jaxsys", "experiments"):
+    for rel, tree in _sources(package):
+      if rel != NODE_LOSS:
+        found += [f"{rel}:{ln} {name}" for ln, name in node_classification_cross_entropies(tree)]
+  assert not found, "a second masked node cross-entropy:\n" + "\n".join(found)
+  missing = []
+  for root, name in FORMER_COPIES:
+    paths = sorted((ROOT / root).rglob(name))
+    assert paths, f"{root}/**/{name} not found"
+    if not any(_calls(ast.parse(p.read_text()), {"masked_node_cross_entropy"}) for p in paths):
+      missing.append(f"{root}/**/{name}")
+  assert not missing, "former copies that no longer call masked_node_cross_entropy: " + ", ".join(missing)

@@ -25,4 +25,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "GraphTileLayout": "blocks", "block_layout": "blocks", "ReformConfig": "blocks",
     "ReformedGraph": "blocks", "reform": "blocks",
     "tune_threshold": "tuner", "TunerResult": "tuner", "TunerRecord": "tuner",
+    "masked_node_cross_entropy": "node_loss", "masked_accuracy": "node_loss",
 })

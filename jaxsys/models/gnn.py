@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
 from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, QuantGATConv, QuantGCNConv,
                                  QuantGINConv, QuantLinear, WeightQuantizer)
 from jaxsys.ops.quantized_agg import normalized_edges
@@ -213,11 +214,6 @@ def _label(path, _):
   return "weights"
 
 
-def masked_accuracy(logits, labels, mask):
-  hit = (jnp.argmax(logits, -1) == labels) & mask
-  return jnp.sum(hit) / jnp.maximum(jnp.sum(mask), 1)
-
-
 def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) -> dict:
   """Full-batch training; returns best-validation accuracies, bits and the selected model.
 
@@ -241,8 +237,7 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
 
   def loss_fn(model, seed):
     logits, info = model(data.x, data.edges, train=True, seed=seed)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, data.labels)
-    loss = jnp.sum(jnp.where(train_mask, ce, 0.0)) / jnp.sum(train_mask)
+    loss = masked_node_cross_entropy(logits, data.labels, train_mask)
     if quant is not None and quant.target_bits is not None and info:
       loss = loss + quant.penalty * a2q.memory_penalty(info, quant.target_bits)
     if cfg.degree_bits is not None and cfg.degree_weight > 0:

@@ -49,6 +49,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
+from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
 from jaxsys.ops.graph_attn import segment_softmax
 
@@ -350,8 +351,7 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
 
   def loss_fn(model, dense_step):  # dense_step: a Python bool (one program per value)
     logits = model(x, inputs, dense_step=dense_step)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return jnp.sum(ce * masks["train"]) / jnp.sum(masks["train"])
+    return masked_node_cross_entropy(logits, labels, masks["train"])
 
   update = make_train_step(loss_fn, tx, graphdef=graphdef, jit=False)  # traced inside the scan
 
@@ -363,8 +363,8 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
     params, _, rest = state
     model = nnx.merge(graphdef, params, rest)
     model.eval()
-    pred = jnp.argmax(model(x, inputs, dense_step=False), -1)
-    return jnp.stack([jnp.sum((pred == labels) * masks[k]) / jnp.sum(masks[k]) for k in ("val", "test")])
+    logits = model(x, inputs, dense_step=False)
+    return jnp.stack([masked_accuracy(logits, labels, masks[k]) for k in ("val", "test")])
 
   bar = tqdm(total=steps, desc="graph transformer", disable=not progress, leave=False, dynamic_ncols=True)
 

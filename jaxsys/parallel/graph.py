@@ -41,6 +41,7 @@ from jaxsys.core.mesh import explicit_axes, place, program_mesh
 from jaxsys.graphs.dataset import NodeDataset, degrees
 from jaxsys.graphs.partition import metis_partition
 from jaxsys.graphs.inputs import GraphInputs
+from jaxsys.graphs.node_loss import masked_node_cross_entropy
 from jaxsys.ops.graph_attn import sparse_graph_attention
 
 __all__ = [
@@ -254,13 +255,11 @@ def _sharded_forward(graphdef, num_parts, mesh, axis, dense_step, dense_strategy
 def graph_parallel_loss(model, plan: GraphPartitionPlan, mesh: Mesh, labels, train_mask, *,
                         axis: str = "graph", dense_step: bool = False,
                         dense_strategy: str = "ring", arrays: dict | None = None):
-  """Masked mean cross-entropy of the graph-parallel forward (labels/mask in slab layout)."""
-  import optax
+  """Masked mean cross-entropy of the graph-parallel forward (labels int, mask bool, both in slab
+  layout)."""
   logits = graph_parallel_apply(model, plan, mesh, axis=axis, dense_step=dense_step,
                                 dense_strategy=dense_strategy, arrays=arrays)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  m = train_mask.astype(ce.dtype)
-  return jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
+  return masked_node_cross_entropy(logits, labels, train_mask)
 
 
 def make_graph_parallel_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx, *,

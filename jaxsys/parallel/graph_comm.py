@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.core.mesh import place, program_mesh
+from jaxsys.graphs.node_loss import masked_node_cross_entropy
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
 from jaxsys.quant.random import hash_dropout
@@ -45,7 +46,7 @@ from jaxsys.core.step import apply_optax, make_train_step
 
 __all__ = [
     "all_to_all_operand_bytes", "build_partition_plan", "check_partition", "gcn_layer", "init_gcn_params",
-    "inject_grad", "masked_ce", "PartitionPlan", "reference_logits", "reference_step", "SylvieConfig",
+    "inject_grad", "PartitionPlan", "reference_logits", "reference_step", "SylvieConfig",
     "SylvieTrainer", "transfer",
 ]
 
@@ -271,15 +272,10 @@ def reference_logits(params, x, senders, receivers, seed, dropout: float, train:
   return h
 
 
-def masked_ce(logits, labels, mask):
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  return jnp.sum(jnp.where(mask, ce, 0.0))
-
-
 def reference_step(params, opt_state, x, senders, receivers, labels, mask, seed, tx, dropout):
   def loss_fn(p):
     logits = reference_logits(p, x, senders, receivers, seed, dropout, True)
-    return masked_ce(logits, labels, mask) / jnp.sum(mask)
+    return masked_node_cross_entropy(logits, labels, mask)
   params, opt_state, loss, _ = make_train_step(loss_fn, tx, jit=False)(params, opt_state)
   return params, opt_state, loss
 
@@ -372,7 +368,8 @@ class SylvieTrainer:
 
     def loss_fn(p, hs):
       logits, fresh = self._forward(p, d, seed, hs, grads_in, True, cfg.quantize)
-      return masked_ce(logits, d["labels"], d["mask"]) / self.count, fresh
+      # per-device sum over the global count: the psum below is the global mean
+      return masked_node_cross_entropy(logits, d["labels"], d["mask"], denominator=self.count), fresh
 
     (loss, fresh), (g, g_halos) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
         params, halos)
