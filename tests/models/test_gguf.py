@@ -290,3 +290,53 @@ def test_bad_head_count_and_non_finite_weights(tmp_path):
     M.from_gguf(path)
   loaded = _params(M.from_gguf(path, allow_nonfinite=True))  # the documented escape hatch
   assert sum(int((~np.isfinite(v)).sum()) for v in loaded.values()) == 1
+
+
+def _byte_level_gguf(path, pre):
+  """Tokenizer metadata only: the 256-byte alphabet, a few merges, two CONTROL tokens and one
+  USER_DEFINED token, split rule ``pre``."""
+  from jaxsys.models.tokenizer import bytes_to_unicode
+  alphabet = list(bytes_to_unicode().values())
+  merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "Ġ Ġ", "ĠĠ Ġ", "' s"]
+  tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_end|>", "<think>"]
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre(pre)
+  w.add_token_list(tokens)
+  w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 4])
+  w.add_token_merges(merges)
+  w.add_bos_token_id(len(tokens) - 3)
+  w.add_eos_token_id(len(tokens) - 2)
+  w.add_add_bos_token(False)
+  _finish(w)
+  return path
+
+
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2"])
+def test_byte_level_tokenizers_match_transformers(pre, tmp_path):
+  """The torch-free tokenizer gives transformers' ids for each split rule it knows (digit runs, contractions,
+  whitespace runs, non-ASCII, special and user-defined tokens tell the rules apart)."""
+  pytest.importorskip("torch")  # transformers reads GGUF tokenizers only with torch
+  from transformers import AutoTokenizer
+  path = _byte_level_gguf(tmp_path / f"{pre}.gguf", pre)
+  ours = G.load_tokenizer(path, cache=False)
+  ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+  texts = ["the 1234567 theme's 12 3", "  the\n\n\t  the   ", "Café naïve 日本 😀", "x<|im_end|>y<think>z",
+           "it's THE end.\r\n"]
+  for text in texts:
+    assert ours(text)["input_ids"] == ref(text)["input_ids"], (pre, text)
+    ids = ref(text)["input_ids"]
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+  assert (len(ours), ours.eos_token_id, ours.bos_token_id) == (len(ref), ref.eos_token_id, ref.bos_token_id)
+
+
+def test_unsupported_tokenizers_are_named(tmp_path):
+  path = _byte_level_gguf(tmp_path / "odd.gguf", "some-new-pre")
+  with pytest.raises(ConfigError, match="tokenizer.ggml.pre='some-new-pre' is not supported"):
+    G.load_tokenizer(path, cache=False)
+  w = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+  w.add_tokenizer_model("llama")
+  w.add_token_list(["<unk>", "a"])
+  _finish(w)
+  with pytest.raises(ConfigError, match="tokenizer.ggml.model='llama' is not supported"):
+    G.load_tokenizer(tmp_path / "spm.gguf", cache=False)
