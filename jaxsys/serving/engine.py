@@ -57,6 +57,7 @@ from jaxsys.core.errors import ConfigError, InputError, check_min
 from jaxsys.serving import lserve as lserve_lib
 from jaxsys.decoding.core import bucket, check_prompts, context_length, describe_context
 from jaxsys.decoding.sampling import GREEDY, SamplingParams
+from jaxsys.decoding.sharding import tp_mesh
 from jaxsys.serving.paged_cache import PagedCacheConfig, PagedKVCache, PoolExhaustedError
 from jaxsys.serving.paged_views import PagedDecode
 from jaxsys.serving.prefill import check_model, prefill
@@ -118,7 +119,7 @@ class ServingEngine:
   def __init__(self, model, config: ServingConfig = ServingConfig(), streaming=None, *,
                tokenizer=None, stop_tokens=None, mesh=None):
     self.model = model
-    self.mesh = _serving_mesh(model, mesh)
+    self.mesh = tp_mesh(model, mesh, "the serving engine")
     self.tokenizer = tokenizer
     self.config = config
     ls = config.lserve
@@ -322,27 +323,6 @@ def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positio
   logits = model.logits(h)[:, 0]  # [slots, vocab]
   drawn = None if ints is None else draw(logits[ints[0]], ints, floats, keep_logits, pen)
   return logits, drawn, view.state, view.numbers
-
-
-def _serving_mesh(model, mesh):
-  """The Auto twin of ``mesh`` with the model's parameters placed on it by the "tp" rules (in
-  place), or None. Serving shards over "model" only: heads, kv heads (and their cache pages), mlp
-  and vocab; every other axis must have size 1."""
-  if mesh is None:
-    return None
-  from jaxsys.core.mesh import auto_mesh  # noqa: PLC0415
-  from jaxsys.nn.layers import shard_params  # noqa: PLC0415
-  extra = {a: n for a, n in mesh.shape.items() if a != "model" and n > 1}
-  if extra:
-    raise ConfigError(f"the serving engine shards over the 'model' axis only (tensor parallelism); "
-                      f"mesh {dict(mesh.shape)} also has {extra}")
-  mesh = auto_mesh(mesh)
-  kv, tp = model.config.num_kv_heads, mesh.shape.get("model", 1)
-  if kv % tp:
-    raise ConfigError(f"num_kv_heads={kv} must be a multiple of the mesh's model={tp} axis: each "
-                      "device serves whole kv heads (and their cache pages)")
-  shard_params(model, mesh, "tp")
-  return mesh
 
 
 def _prompt_seed(seed: int, index: int) -> int:

@@ -29,6 +29,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.drafter import check_compatible
@@ -45,6 +47,7 @@ from jaxsys.speculative import fused
 from jaxsys.speculative import lookup
 from jaxsys.decoding import core
 from jaxsys.decoding.core import bucket_of
+from jaxsys.decoding.sharding import kv_spec, tp_mesh
 from jaxsys.speculative.bandit import BucketedBandit, Strategy
 from jaxsys.speculative.pool import ExecutablePool, enable_persistent_cache
 from jaxsys.decoding.sampling import GREEDY, SamplingParams
@@ -138,7 +141,8 @@ class RolloutResult:
 class RolloutEngine:
   """See the module docstring."""
 
-  def __init__(self, model, drafter, config: RolloutConfig, *, pool: ExecutablePool | None = None):
+  def __init__(self, model, drafter, config: RolloutConfig, *, pool: ExecutablePool | None = None,
+               mesh=None):
     if drafter is None and config.speculative and config.needs_drafter:
       raise ConfigError("speculative=True with drafter-model strategies needs a drafter "
                         "(Strategy.lookup_chain strategies need none)")
@@ -152,10 +156,17 @@ class RolloutEngine:
       enable_persistent_cache(config.compilation_cache_dir)
     self.config = config
     self.dcfg = config.decode_config()
+    # mesh: tensor parallelism over "model" (jaxsys.decoding.sharding): weights by the "tp" rules
+    # (placed on a copy: the caller's model keeps its own placement), the KV cache by kv head
+    self.mesh = None
+    if mesh is not None:
+      model = _copy(model)
+      self.mesh = tp_mesh(model, mesh, "the rollout engine")
     self.gdef, self.tstate = nnx.split(model)
     self.model_config = model.config
     self.drafter_config = drafter.config if drafter is not None else None
     self.dgdef, self.dstate = nnx.split(drafter) if drafter is not None else (None, None)
+    self.dstate = self._replicated(self.dstate)
     # ``is None``, not ``or``: an empty pool has len 0 (falsy), and ``or`` would silently give
     # every engine its own pool (no sharing, every executable compiled once per engine).
     self.pool = pool if pool is not None else ExecutablePool(config.pool_max_entries, config.pool_max_bytes)
@@ -163,12 +174,12 @@ class RolloutEngine:
     self.bandit = BucketedBandit(arms, config.batch_buckets, epsilon=config.epsilon, seed=config.seed)
     self._abstract: dict[int, dec.DecodeState] = {}
     # Hashing a GraphDef walks the whole module: do it once, not on every step.
-    self._key_suffix = (self.dcfg, hash(self.gdef), hash(self.dgdef))
+    self._key_suffix = (self.dcfg, hash(self.gdef), hash(self.dgdef), self.mesh)
 
   # ---- weights ---------------------------------------------------------------------------
   def set_weights(self, model):
     """Syncs new policy weights (same architecture: executables stay valid)."""
-    gdef, state = nnx.split(model)
+    gdef, state = self._split_placed(model)
     if gdef != self.gdef:
       raise ConfigError("set_weights needs a model with the same structure as the engine's")
     self.tstate = state
@@ -178,10 +189,49 @@ class RolloutEngine:
     if isinstance(drafter_or_state, nnx.Module):
       check_compatible(drafter_or_state, nnx.merge(self.gdef, self.tstate))
       drafter_or_state = nnx.split(drafter_or_state)[1]
-    self.dstate = drafter_or_state
+    self.dstate = self._replicated(drafter_or_state)
+
+  # ---- placement (mesh=...) ----------------------------------------------------------------
+  def _split_placed(self, model):
+    """``nnx.split`` of ``model``, its weights placed by the "tp" rules on a mesh (on a copy)."""
+    if self.mesh is None:
+      return nnx.split(model)
+    model = _copy(model)
+    tp_mesh(model, self.mesh, "the rollout engine")
+    return nnx.split(model)
+
+  def _replicated(self, tree):
+    if self.mesh is None or tree is None:
+      return tree
+    return jax.device_put(tree, NamedSharding(self.mesh, jax.P()))
+
+  def _put(self, x):
+    """A host array for an executable: replicated over the mesh, or on the default device."""
+    return jax.device_put(x) if self.mesh is None else self._replicated(x)
+
+  def _shardings(self, b: int):
+    """The decode state's placement at bucket ``b`` (None without a mesh): the target KV cache
+    over "model" by kv head, everything else replicated."""
+    if self.mesh is None:
+      return None
+    st = self._abstract_state(b)
+    rep_, kv = NamedSharding(self.mesh, jax.P()), NamedSharding(self.mesh, kv_spec(self.mesh))
+    out = jax.tree.map(lambda _: rep_, st)
+    cache = dataclasses.replace(out.cache, k=tuple(kv for _ in st.cache.k), v=tuple(kv for _ in st.cache.v))
+    return out.replace(cache=cache)
+
+  def _on_mesh(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   # ---- executables -----------------------------------------------------------------------
   def _state_shape(self, b: int):
+    """The decode state's shapes at bucket ``b``, with their placement on a mesh."""
+    st, sh = self._abstract_state(b), self._shardings(b)
+    if sh is None:
+      return st
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st, sh)
+
+  def _abstract_state(self, b: int):
     if b not in self._abstract:
       c = self.config
       dcfg = self.drafter_config or _dummy_drafter_cfg(self.model_config)
@@ -197,7 +247,11 @@ class RolloutEngine:
     key = (kind, strategy, b) if kind in ("sloop", "lloop") else (kind, b)
     # Shared pools: executables also depend on the static decode config and module structures.
     key = key + self._key_suffix
-    return self.pool.get(key, lambda: self._build(kind, b, strategy))
+    return self.pool.get(key, lambda: self._build_on_mesh(kind, b, strategy))
+
+  def _build_on_mesh(self, kind: str, b: int, strategy: Strategy | None):
+    with self._on_mesh():
+      return self._build(kind, b, strategy)
 
   def _build(self, kind: str, b: int, strategy: Strategy | None):
     c, dcfg = self.config, self.dcfg
@@ -208,10 +262,11 @@ class RolloutEngine:
       # Takes the int seed: an eager ``jax.random.key`` outside would be one more compile.
       fn = lambda seed: dec.init_state(model, dcf, jnp.zeros((b, c.max_prompt), jnp.int32), None, dcfg,
                                        jax.random.key(seed))
-      return jax.jit(fn).lower(jnp.uint32(0)).compile()
+      return jax.jit(fn, out_shardings=self._shardings(b)).lower(jnp.uint32(0)).compile()
     if kind == "prefill":
-      prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32)
-      lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+      rep_ = None if self.mesh is None else NamedSharding(self.mesh, jax.P())
+      prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32, sharding=rep_)
+      lengths = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep_)
       return dec.jit_prefill(dcfg).lower(self.gdef, self.tstate, st, prompts, lengths).compile()
     if kind == "vloop":
       return fused.jit_vanilla_loop(dcfg).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
@@ -221,14 +276,17 @@ class RolloutEngine:
     if kind == "lloop":
       return fused.jit_lookup_loop(dcfg, strategy).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
     if kind == "setref":  # new reference tokens for every row (lookup drafting)
-      ref = jax.ShapeDtypeStruct((b, dcfg.ref_len), jnp.int32)
-      return jax.jit(lambda st, ref: st.replace(ref=ref), donate_argnums=0).lower(st, ref).compile()
+      ref = jax.ShapeDtypeStruct((b, dcfg.ref_len), jnp.int32,
+                                 sharding=None if self.mesh is None else NamedSharding(self.mesh, jax.P()))
+      return jax.jit(lambda st, ref: st.replace(ref=ref), donate_argnums=0,
+                     out_shardings=self._shardings(b)).lower(st, ref).compile()
     if kind == "pad":  # marks padding rows done (an eager ``done | mask`` would compile mid-rollout)
-      return jax.jit(_mark_padding).lower(st, jnp.int32(0)).compile()
+      return jax.jit(_mark_padding, out_shardings=self._shardings(b)).lower(st, jnp.int32(0)).compile()
     if kind.startswith("take"):  # shrink from bucket ``b`` to ``new_b``: a pool entry per pair
       new_b = int(kind[4:])
-      idx = jax.ShapeDtypeStruct((new_b,), jnp.int32)
-      return jax.jit(_take_rows).lower(st, idx, jnp.int32(0)).compile()
+      idx = jax.ShapeDtypeStruct((new_b,), jnp.int32,
+                                 sharding=None if self.mesh is None else NamedSharding(self.mesh, jax.P()))
+      return jax.jit(_take_rows, out_shardings=self._shardings(new_b)).lower(st, idx, jnp.int32(0)).compile()
     raise ValueError(f"unknown executable kind {kind!r}")
 
   def _tail_buckets(self) -> set[int]:
@@ -298,13 +356,13 @@ class RolloutEngine:
     t_prefill = time.perf_counter()
     state = self._exe("init", b)(np.uint32(seed))
     # device_put, not jnp.asarray: the latter compiles a staging copy per new shape (mid-rollout).
-    state = self._exe("prefill", b)(self.tstate, state, jax.device_put(toks), jax.device_put(lens))
+    state = self._exe("prefill", b)(self.tstate, state, self._put(toks), self._put(lens))
     state = self._exe("pad", b)(state, jnp.int32(n))
     # Reference tokens serve lookup drafting only: a vanilla call skips building them.
     refs = (lambda rows, results: self._references(rows, arrs, user_refs, results)) \
         if c.uses_references and speculate else None
     if refs is not None and user_refs is not None:
-      state = self._exe("setref", b)(state, jax.device_put(refs(rows, {})))
+      state = self._exe("setref", b)(state, self._put(refs(rows, {})))
     results: dict[int, tuple] = {}
     state.root.block_until_ready()  # so that ``seconds`` is decoding only
     stats = {"steps": 0, "spec_steps": 0, "vanilla_steps": 0, "accepted": [], "spec_batch": [],
@@ -389,11 +447,11 @@ class RolloutEngine:
     self._harvest(state, rows, done, results, n)
     keep = np.flatnonzero(~done)
     pad = np.full(new_b - len(keep), np.flatnonzero(done)[0], np.int64)
-    idx = jax.device_put(np.concatenate([keep, pad]).astype(np.int32))
+    idx = self._put(np.concatenate([keep, pad]).astype(np.int32))
     state = self._exe(f"take{new_b}", len(rows))(state, idx, jnp.int32(len(keep)))
     rows = np.concatenate([rows[keep], np.full(len(pad), -1)])
     if refs is not None and self.config.lookup_siblings:
-      state = self._exe("setref", new_b)(state, jax.device_put(refs(rows, results)))
+      state = self._exe("setref", new_b)(state, self._put(refs(rows, results)))
     return state, rows
 
   def _references(self, rows, arrs, user_refs, results) -> np.ndarray:
@@ -478,6 +536,12 @@ def _take_rows(state: dec.DecodeState, idx, n_keep) -> dec.DecodeState:
   b = state.done.shape[0]
   new = jax.tree.map(lambda a: a[idx] if a.ndim and a.shape[0] == b else a, state)
   return new.replace(done=new.done | (jnp.arange(idx.shape[0]) >= n_keep))
+
+
+def _copy(model):
+  """A module sharing ``model``'s arrays (placing it moves nothing of the caller's)."""
+  gdef, state = nnx.split(model)
+  return nnx.merge(gdef, jax.tree.map(lambda x: x, state))  # new variables, the same arrays
 
 
 def _dummy_drafter_cfg(model_config):
