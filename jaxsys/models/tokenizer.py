@@ -19,10 +19,13 @@ library uses, with the same ids and text as ``transformers``' tokenizer built fr
 
 Built from GGUF metadata (:meth:`Tokenizer.from_gguf_metadata`, the ``tokenizer.*`` keys of llama.cpp):
 ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen2 files) with the
-split rule that ``tokenizer.ggml.pre`` names (:data:`PRE_SPLITS`). Tokens of type CONTROL become
+split rule that ``tokenizer.ggml.pre`` names (:data:`PRE_SPLITS`), or ``"llama"`` (sentencepiece BPE:
+Llama 2, Mistral, TinyLlama files; byte fallback, merges from the file or recovered from the scores,
+BOS added unless ``tokenizer.ggml.add_bos_token`` says otherwise). Tokens of type CONTROL become
 special tokens (kept whole, dropped by ``skip_special_tokens``), USER_DEFINED ones added tokens.
-Other tokenizer models (sentencepiece ``llama``, ``t5``) and unknown split rules are a ``ConfigError``
-naming the key and value: guessing a split rule would give wrong ids silently.
+Other tokenizer models (``t5``, ...) and unknown split rules are a ``ConfigError`` naming the key and
+value: guessing a split rule would give wrong ids silently. tests/models/test_gguf.py checks each
+kind and split rule against transformers' own GGUF tokenizer.
 """
 
 from __future__ import annotations
@@ -121,15 +124,18 @@ class Tokenizer:
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers  # noqa: PLC0415
     from tokenizers import Tokenizer as Backend  # noqa: PLC0415
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-      raise ConfigError(f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2', byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_SPLITS:
-      raise ConfigError(f"tokenizer.ggml.pre={pre!r} is not supported; known split rules: {sorted(PRE_SPLITS)}")
+    if kind not in ("gpt2", "llama"):
+      raise ConfigError(f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2', byte-level BPE, and "
+                        "'llama', sentencepiece BPE)")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
       raise InputError("the GGUF metadata has no tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "llama":
+      return cls._sentencepiece(meta, tokens, types)
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_SPLITS:
+      raise ConfigError(f"tokenizer.ggml.pre={pre!r} is not supported; known split rules: {sorted(PRE_SPLITS)}")
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # Byte-level vocabularies spell every token in the byte alphabet; a token outside it (a
@@ -152,6 +158,34 @@ class Tokenizer:
             if ty == _USER_DEFINED and t in vocab]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
+    return cls._finish_gguf(backend, meta, tokens, add_bos=False)
+
+  @classmethod
+  def _sentencepiece(cls, meta, tokens, types) -> Tokenizer:
+    """``tokenizer.ggml.model == "llama"``: sentencepiece BPE (Llama 2, Mistral, TinyLlama files) as
+    transformers' ``LlamaTokenizer`` builds it: byte fallback, a "▁" word prefix on the first word,
+    merges from the file or, where it has none, recovered from the vocabulary ranked by score."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers  # noqa: PLC0415
+    from tokenizers import Tokenizer as Backend  # noqa: PLC0415
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if meta.get("tokenizer.ggml.merges"):
+      merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    else:
+      scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+      merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise
+    return cls._finish_gguf(backend, meta, tokens, add_bos=True)
+
+  @classmethod
+  def _finish_gguf(cls, backend, meta, tokens, add_bos: bool) -> Tokenizer:
     special = {}
     for name, key in _GGUF_IDS.items():
       i = meta.get(f"tokenizer.ggml.{key}")
@@ -160,7 +194,7 @@ class Tokenizer:
           raise InputError(f"tokenizer.ggml.{key}={i} is outside the vocabulary of {len(tokens)} tokens")
         special[name] = tokens[int(i)]
     tok = cls(backend, special=special, chat_template=meta.get("tokenizer.chat_template"),
-              add_bos_token=meta.get("tokenizer.ggml.add_bos_token", False),
+              add_bos_token=meta.get("tokenizer.ggml.add_bos_token", add_bos),
               add_eos_token=meta.get("tokenizer.ggml.add_eos_token", False))
     tok._set_post_processor()
     return tok
@@ -289,6 +323,18 @@ for _name in _SPECIAL_NAMES:
   _t, _i = _special_property(_name)
   setattr(Tokenizer, f"{_name}_token", _t)
   setattr(Tokenizer, f"{_name}_token_id", _i)
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+  """BPE merges implied by a sentencepiece vocabulary: every split of a token into two tokens,
+  best score first (then shorter left and right pieces), as transformers' ``generate_merges``."""
+  merges = []
+  for token, score in scores.items():
+    local = [(token[:i], token[i:], score) for i in range(1, len(token))
+             if token[:i] in vocab and token[i:] in vocab]
+    merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+  return [(a, b) for a, b, _ in merges]
 
 
 def _read_json(path: Path) -> dict:

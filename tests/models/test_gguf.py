@@ -334,9 +334,46 @@ def test_unsupported_tokenizers_are_named(tmp_path):
   path = _byte_level_gguf(tmp_path / "odd.gguf", "some-new-pre")
   with pytest.raises(ConfigError, match="tokenizer.ggml.pre='some-new-pre' is not supported"):
     G.load_tokenizer(path, cache=False)
-  w = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
-  w.add_tokenizer_model("llama")
+  w = gguf.GGUFWriter(tmp_path / "t5.gguf", "llama")
+  w.add_tokenizer_model("t5")
   w.add_token_list(["<unk>", "a"])
   _finish(w)
-  with pytest.raises(ConfigError, match="tokenizer.ggml.model='llama' is not supported"):
-    G.load_tokenizer(tmp_path / "spm.gguf", cache=False)
+  with pytest.raises(ConfigError, match="tokenizer.ggml.model='t5' is not supported"):
+    G.load_tokenizer(tmp_path / "t5.gguf", cache=False)
+
+
+def _sentencepiece_gguf(path, with_merges: bool):
+  """A sentencepiece (``llama``) vocabulary: UNKNOWN/CONTROL tokens, the 256 byte tokens, word pieces
+  with scores (merges recovered from them unless the file lists its own)."""
+  pieces = ["▁", "t", "h", "e", "a", "c", "1", "2", "he", "▁t", "▁the", "▁c", "at", "▁cat", "12", "▁a"]
+  tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+  types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+  scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_tokenizer_model("llama")
+  w.add_token_list(tokens)
+  w.add_token_types(types)
+  w.add_token_scores(scores)
+  if with_merges:
+    w.add_token_merges(["h e", "▁ t", "▁t he", "▁ c", "a t", "▁c at", "1 2", "▁ a"])
+  w.add_bos_token_id(1)
+  w.add_eos_token_id(2)
+  w.add_unk_token_id(0)
+  _finish(w)
+  return path
+
+
+@pytest.mark.parametrize("with_merges", [False, True])
+def test_sentencepiece_tokenizer_matches_transformers(with_merges, tmp_path):
+  pytest.importorskip("torch")
+  from transformers import AutoTokenizer
+  path = _sentencepiece_gguf(tmp_path / "spm.gguf", with_merges)
+  ours = G.load_tokenizer(path, cache=False)
+  ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+  for text in ["the cat", " the  cat", "a12\ncat", "日本 é", "<s>the</s> cat", ""]:
+    ids = ref(text)["input_ids"]
+    assert ours(text)["input_ids"] == ids, text
+    for skip in (False, True):
+      assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+  assert (len(ours), ours.bos_token_id, ours.eos_token_id, ours.unk_token_id) == \
+      (len(ref), ref.bos_token_id, ref.eos_token_id, ref.unk_token_id)
