@@ -75,7 +75,7 @@ from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exp
 from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
 
 __all__ = [
-    "apply_optax", "causal_lm_loss", "init_health", "lower_step", "make_loop_step", "make_optimizer",
+    "apply_optax", "causal_lm_loss", "init_health", "lower_step", "make_loop_step", "make_optimizer", "place_params",
     "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "train", "TrainConfig",
     "TrainResult",
 ]
@@ -282,7 +282,7 @@ def _to_state(template, pure):
   return state
 
 
-def _place(pure, specs, mesh):
+def place_params(pure, specs, mesh):
   """Each array of the pure dict ``pure`` on ``mesh`` as ``specs`` (a pure dict over every
   parameter, of which ``pure`` may hold a subset) places it."""
   table = dict(jax.tree_util.tree_flatten_with_path(
@@ -470,8 +470,8 @@ def _setup(model, cfg: TrainConfig, mesh):
                                                    nnx.Param, ...)
   if mesh is not None:
     specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules))
-    params = _place(nnx.to_pure_dict(params_state), specs, mesh)
-    nnx.replace_by_pure_dict(frozen, _place(nnx.to_pure_dict(frozen), specs, mesh))
+    params = place_params(nnx.to_pure_dict(params_state), specs, mesh)
+    nnx.replace_by_pure_dict(frozen, place_params(nnx.to_pure_dict(frozen), specs, mesh))
   else:
     params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params_state))  # donated by the step
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)

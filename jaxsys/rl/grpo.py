@@ -60,6 +60,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -73,7 +74,8 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
 from jaxsys.models.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
-from jaxsys.train import apply_optax
+from jaxsys.core.mesh import RULE_SETS, auto_mesh, logical_sharding
+from jaxsys.train import apply_optax, place_params
 
 __all__ = [
     "ADV_NORMS", "build_batch", "group_advantages", "grpo_loss", "GRPOConfig", "GRPOTrainer",
@@ -287,23 +289,32 @@ class GRPOTrainer:
 
   def __init__(self, policy, engine, tasks: tasks_lib.TaskSampler, config: GRPOConfig, *,
                buffer=None, spot=None, temperature_check: bool = True, reward_fn=None,
-               pad_id: int = tasks_lib.EOS):
+               pad_id: int = tasks_lib.EOS, mesh=None, rules: str = "fsdp"):
     """``reward_fn(example, response) -> float`` (default ``tasks.reward``); ``pad_id`` pads
-    the training batch (masked out of the loss)."""
+    the training batch (masked out of the loss). ``mesh``: the update runs sharded, parameters,
+    reference and optimizer state placed by ``rules`` ("fsdp" or "tp", ``jaxsys.core.mesh``) and
+    minibatches split over "data" (on the mesh's Auto twin); the engine keeps its own placement
+    (e.g. ``RolloutEngine(..., mesh=<a "model" mesh>)``: tensor-parallel rollouts)."""
     self.config = config
     self.reward_fn, self.pad_id = reward_fn or tasks_lib.reward, pad_id
     self.engine, self.tasks = engine, tasks
     self.buffer, self.spot = buffer, spot
     if temperature_check and engine.config.sampling.greedy:
       raise ConfigError("GRPO needs sampled rollouts: engine sampling temperature must be > 0")
+    self.mesh = _train_mesh(mesh, config, rules)
     self.gdef, self.params, self.rest = nnx.split(policy, nnx.Param, ...)
+    if self.mesh is not None:
+      from jaxsys.nn.layers import param_specs
+      specs = nnx.to_pure_dict(param_specs(policy, self.mesh, rules))
+      nnx.replace_by_pure_dict(self.params, place_params(nnx.to_pure_dict(self.params), specs, self.mesh))
     if config.remat and not isinstance(policy, Decoder):
       raise ConfigError(f"GRPOConfig.remat needs a jaxsys Decoder policy, got {type(policy).__name__}")
     # the update's graph: the same parameters, blocks rematerialised when config.remat
     self.train_gdef = (nnx.split(replace_config(policy, remat=True), nnx.Param, ...)[0]
                        if config.remat else self.gdef)
     # the reference policy is only read when its KL term has weight (not by DAPO / Dr.GRPO)
-    self.ref_params = copy.deepcopy(jax.device_get(self.params)) if config.kl_coef else None
+    self.ref_params = (jax.tree.map(jnp.copy, self.params) if self.mesh is not None
+                       else copy.deepcopy(jax.device_get(self.params))) if config.kl_coef else None
     self.tx = optax.adam(config.lr)
     self.opt_state = self.tx.init(self.params)
     self.rng = np.random.default_rng(config.seed)
@@ -319,6 +330,15 @@ class GRPOTrainer:
                          static_argnums=0)
     self._update = jax.jit(self._update_fn, static_argnums=0)
     engine.set_weights(self.policy)
+
+  def _on_mesh(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _put(self, x):
+    """A host minibatch array, split over "data" on the trainer's mesh."""
+    if self.mesh is None:
+      return jax.device_put(x)
+    return jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1), self.mesh))
 
   @property
   def policy(self):
@@ -356,10 +376,11 @@ class GRPOTrainer:
   def _logps(self, tokens):
     """Old-policy and reference log-probs of one minibatch (recomputed by the trainer). With
     ``kl_coef == 0`` (DAPO, Dr.GRPO) the reference pass is skipped: its term has weight 0."""
-    old = self._logp(self.gdef, self.params, self.rest, tokens)
-    if self.config.kl_coef == 0:
-      return old, old
-    return old, self._logp(self.gdef, self.ref_params, self.rest, tokens)
+    with self._on_mesh():
+      old = self._logp(self.gdef, self.params, self.rest, tokens)
+      if self.config.kl_coef == 0:
+        return old, old
+      return old, self._logp(self.gdef, self.ref_params, self.rest, tokens)
 
   def precompile(self) -> int:
     """Compile the update for every minibatch width before the first step (outputs discarded,
@@ -368,10 +389,12 @@ class GRPOTrainer:
     mb = c.group_size * c.prompts_per_step // c.minibatches
     widths = sorted({self._width(w) for w in range(1, self.seq_len + 1)})
     for w in widths:
-      tokens = jnp.zeros((mb, w), jnp.int32)
+      tokens = self._put(np.zeros((mb, w), np.int32))
       old_logp, ref_logp = self._logps(tokens)
-      out = self._update(self.train_gdef, self.params, self.rest, self.opt_state, tokens,
-                         jnp.zeros((mb, w - 1)), jnp.zeros((mb,)), old_logp, ref_logp)
+      with self._on_mesh():
+        out = self._update(self.train_gdef, self.params, self.rest, self.opt_state, tokens,
+                           self._put(np.zeros((mb, w - 1), np.float32)), self._put(np.zeros((mb,), np.float32)),
+                           old_logp, ref_logp)
       jax.block_until_ready(out)
     return len(widths)
 
@@ -441,12 +464,14 @@ class GRPOTrainer:
       if not valid[idx].any():
         continue  # nothing to learn from; an Adam step on zero gradients would still move weights
       # device_put, not jnp.asarray: the latter compiles a staging copy per new width.
-      mb_tokens, mb_mask = jax.device_put(tokens[idx, :width]), jax.device_put(mask[idx, :width - 1])
-      batches.append((mb_tokens, mb_mask, jax.device_put(adv[idx]), *self._logps(mb_tokens)))
+      mb_tokens, mb_mask = self._put(tokens[idx, :width]), self._put(mask[idx, :width - 1])
+      batches.append((mb_tokens, mb_mask, self._put(adv[idx]), *self._logps(mb_tokens)))
     train_tokens = sum(int(np.prod(bt[0].shape)) for bt in batches)  # incl. padding to the width
     aux = {"loss": np.nan, "kl": np.nan, "clip_frac": np.nan}
     for batch in batches:
-      self.params, self.opt_state, aux = self._update(self.train_gdef, self.params, self.rest, self.opt_state, *batch)
+      with self._on_mesh():
+        self.params, self.opt_state, aux = self._update(self.train_gdef, self.params, self.rest,
+                                                        self.opt_state, *batch)
     jax.block_until_ready(self.params)
     self.engine.set_weights(self.policy)
     t2, c2 = time.perf_counter(), time.process_time()
@@ -475,3 +500,18 @@ class GRPOTrainer:
             "kl": float(aux["kl"]) if c.kl_coef else float("nan"),  # no reference pass at 0
             "clip_frac": float(aux["clip_frac"]), "groups_dropped": len(dropped),
             "groups_kept": n_kept, "resample_rounds": len(results) - 1, "responses": generated}
+
+
+def _train_mesh(mesh, config: GRPOConfig, rules: str):
+  """The Auto twin of the trainer's mesh (the layers' annotations are hints there), or None;
+  the minibatch rows must divide over its "data" axis."""
+  if mesh is None:
+    return None
+  check_one_of("rules", rules, tuple(RULE_SETS))
+  rows = config.group_size * config.prompts_per_step // config.minibatches
+  data = mesh.shape.get("data", 1)
+  if rows % data:
+    raise ConfigError(f"a minibatch of {rows} rows (group_size x prompts_per_step / minibatches) "
+                      f"does not divide over the mesh's data={data} axis")
+  return auto_mesh(mesh)
+

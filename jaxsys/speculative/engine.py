@@ -193,9 +193,11 @@ class RolloutEngine:
 
   # ---- placement (mesh=...) ----------------------------------------------------------------
   def _split_placed(self, model):
-    """``nnx.split`` of ``model``, its weights placed by the "tp" rules on a mesh (on a copy)."""
+    """``nnx.split`` of ``model``, its weights placed by the "tp" rules on a mesh (on a copy);
+    without a mesh, on the default device (a trainer may hold them sharded over a mesh)."""
     if self.mesh is None:
-      return nnx.split(model)
+      gdef, state = nnx.split(model)
+      return gdef, jax.device_put(state, jax.devices()[0])
     model = _copy(model)
     tp_mesh(model, self.mesh, "the rollout engine")
     return nnx.split(model)

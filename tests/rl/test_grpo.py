@@ -200,3 +200,32 @@ def test_remat_update_equals_plain_update():
   assert moved > 0                           # the update did move the weights
   plain.step()                               # and a whole step runs with a rematerialised update
   remat.step()
+
+
+def test_sharded_grpo_with_tp_rollouts_equals_one_device():
+  """The update on an FSDP data=4 x model=2 mesh, rollouts on a TP=2 engine: the same responses,
+  losses and weights as one device (2 steps, sampled rollouts)."""
+  from jaxsys.core.mesh import make_mesh
+
+  def run(mesh, engine_mesh):
+    policy = random_model(PCFG, 0)
+    engine = RolloutEngine(policy, None, RolloutConfig(max_new=6, max_prompt=8, batch_buckets=(8,),
+                           stop_tokens=(tasks.EOS,), sampling=SamplingParams(1.0), speculative=False),
+                           mesh=engine_mesh)
+    tr = grpo.GRPOTrainer(policy, engine, tasks.TaskSampler(seed=0),
+                          grpo.GRPOConfig(group_size=2, prompts_per_step=4, kl_coef=0.05), mesh=mesh)
+    steps = [tr.step() for _ in range(2)]
+    devices = {len(x.sharding.device_set) for x in jax.tree.leaves(tr.params)}
+    assert devices == ({1} if mesh is None else {8})  # the update's state lies on the whole mesh
+    return steps, jax.device_get(nnx.to_pure_dict(tr.params))
+
+  ref, ref_params = run(None, None)
+  got, params = run(jax.make_mesh((4, 2), ("data", "model")), make_mesh({"model": 2}))
+  for a, b in zip(ref, got):
+    assert a["responses"] == b["responses"]
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), params, ref_params)
+  with pytest.raises(ConfigError, match="does not divide over the mesh's data=8"):
+    grpo.GRPOTrainer(random_model(PCFG, 0), RolloutEngine(random_model(PCFG, 0), None, RolloutConfig(
+        max_new=6, max_prompt=8, batch_buckets=(8,), sampling=SamplingParams(1.0), speculative=False)),
+        tasks.TaskSampler(seed=0), grpo.GRPOConfig(group_size=2, prompts_per_step=2), mesh=make_mesh({"data": 8}))
