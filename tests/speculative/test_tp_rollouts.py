@@ -50,3 +50,38 @@ def test_tp_rollouts_refuse_other_axes_and_indivisible_heads(setup):
     RolloutEngine(model, drafter, ROLL, mesh=make_mesh({"data": 2, "model": 2}))
   with pytest.raises(ConfigError, match="num_kv_heads=4 must be a multiple"):
     RolloutEngine(model, drafter, ROLL, mesh=make_mesh({"model": 8}))
+
+
+_TWO_PROCESS_WORKER = """
+from jaxsys.parallel.distributed import initialize_distributed
+assert initialize_distributed()               # JAXSYS_* from the environment: 2 processes x 2 devices
+import jax
+import numpy as np
+from jaxsys.core.mesh import make_mesh
+from jaxsys.models import DecoderConfig, random_model
+from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
+assert jax.process_count() == 2 and jax.device_count() == 4
+CFG = DecoderConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                    num_kv_heads=4)
+model = random_model(CFG, 0)
+model.lm_head[...] = model.lm_head[...] * 20.0
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, CFG.vocab_size, size=int(rng.integers(3, 8))).tolist() for _ in range(8)]
+engine = RolloutEngine(model, None, RolloutConfig(max_new=12, max_prompt=8, batch_buckets=(2, 8),
+                       spec_threshold=3, speculative=False), mesh=make_mesh({"model": 4}))
+print("TOKENS", repr(engine.generate(prompts).tokens), flush=True)
+"""
+
+
+def test_tp_decode_across_two_processes_matches_one(tmp_path, setup):
+  """Greedy TP=4 rollouts on a "model" mesh spanning two jax.distributed processes give one
+  device's tokens."""
+  import ast
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  from _multiprocess import run_two_processes
+  outs = run_two_processes(_TWO_PROCESS_WORKER, tmp_path, timeout=300, what="TP decode")
+  _, _, _, ref = setup
+  for out in outs:
+    assert ast.literal_eval(out.split("TOKENS ")[1].splitlines()[0]) == ref[False]
