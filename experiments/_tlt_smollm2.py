@@ -285,19 +285,19 @@ def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list
         return generate(model, prompts, max_new_tokens=cfg["max_new"], stop_tokens=stops,
                         sampling=SamplingParams(cfg["temperature"], seed=key))
 
-      for name, vocab, strat in runs:  # compile / warm-up each
+      for _label, vocab, strat in runs:  # compile / warm-up each
         engines[vocab].generate(prompts, seed=reseed(0, seed), force_strategy=strat,
                                 speculative=strat is not None)
       core(reseed(0, seed))
       for rep in range(cfg["repeats"]):  # interleaved best-of-N
-        for name, vocab, strat in runs + [("generate", None, None)]:
+        for label, vocab, strat in runs + [("generate", None, None)]:
           t0 = time.perf_counter()
           if vocab is None:
             r = core(reseed(1 + rep, seed))
           else:
             r = engines[vocab].generate(prompts, seed=reseed(1 + rep, seed), force_strategy=strat,
                                         speculative=strat is not None)
-          key = name if strat is None else f"{name}/{vocab}"
+          key = label if strat is None else f"{label}/{vocab}"
           n_tok = sum(len(t) for t in r.tokens)
           tput[key] = max(tput.get(key, 0.0), n_tok / (time.perf_counter() - t0))
           if strat is not None:

@@ -166,7 +166,7 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
   mc = model.config
   graphdef, params = nnx.split(model)
   alpha = jnp.ones((mc.num_layers, mc.num_kv_heads), jnp.float32)
-  opt = optax.adam(lr)
+  opt = _adam(float(lr))  # one object per lr: the jitted step takes it as a static argument
   opt_state = opt.init(alpha)
   rng = np.random.default_rng(seed)
   history = []
@@ -180,6 +180,11 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
     bar.set_postfix(loss=f"{history[-1]:.4g}", refresh=False)
   return StreamingGates.from_alpha(np.asarray(alpha), sink=sink, window=window,
                                    sparsity=sparsity, history=history)
+
+
+@functools.lru_cache(maxsize=8)
+def _adam(lr: float):
+  return optax.adam(lr)
 
 
 def _answer_data(data):

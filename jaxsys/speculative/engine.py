@@ -294,7 +294,8 @@ class RolloutEngine:
   def _tail_buckets(self) -> set[int]:
     """Buckets a fused long tail can run on: it starts below ``spec_threshold`` running rows."""
     c = self.config
-    return {bucket_of(r, c.batch_buckets) for r in range(1, max(c.spec_threshold, 2))}
+    top = min(max(c.spec_threshold, 2), c.batch_buckets[-1] + 1)  # no tail beyond the largest bucket
+    return {bucket_of(r, c.batch_buckets) for r in range(1, top)}
 
   def _shrink_targets(self, b: int) -> list[int]:
     """Buckets a batch of bucket ``b`` can shrink to: a long-tail bucket (from the full batch,

@@ -61,3 +61,16 @@ def test_precompiled_rollouts_compile_nothing():
   assert engine.pool.compilations == n_exe, engine.pool.compiled_keys[n_exe:]
   assert not events, f"{len(events)} compilations after precompile()"
   assert len(shrinks) > 3  # the rollouts did take different paths
+
+
+def test_spec_threshold_above_the_largest_bucket():
+  """A long tail that starts above the largest bucket runs in that bucket (no bucket is asked
+  for beyond it): precompile and a rollout work, and nothing more compiles afterwards."""
+  model = random_model(CFG, 0)
+  engine = RolloutEngine(model, None, RolloutConfig(
+      strategies=(Strategy.lookup_chain(2),), max_new=4, max_prompt=4, batch_buckets=(1, 2),
+      spec_threshold=5, lookup_ref=4))
+  engine.precompile()
+  n_exe = engine.pool.compilations
+  assert len(engine.generate([[7, 8], [9]]).tokens) == 2
+  assert engine.pool.compilations == n_exe
