@@ -189,6 +189,7 @@ def _packing_section(ds, best):
 def _sylvie_section(ds, cfg, out, seed: int):
   from jaxsys import graphs
   from jaxsys.core.mesh import make_mesh
+  from jaxsys.models.gnn import train_sylvie
   from jaxsys.parallel.graph_comm import (SylvieConfig, SylvieTrainer, build_partition_plan,
                                           init_gcn_params)
   p = cfg["sylvie_parts"]
@@ -206,23 +207,14 @@ def _sylvie_section(ds, cfg, out, seed: int):
                    ("1bit_s0", SylvieConfig(quantize=True, staleness=0, lr=lr)),
                    ("1bit_s1", SylvieConfig(quantize=True, staleness=1, lr=lr))]:
     tr = SylvieTrainer(plan, dims, sc, mesh)
-    state = tr.init(params, ds.features, ds.labels, ds.train_mask)
-    wire = tr.measured_wire_bytes(state)
+    wire = tr.measured_wire_bytes(tr.init(params, ds.features, ds.labels, ds.train_mask))
     t0 = time.perf_counter()
-    best_val, best_test, curve = -1.0, 0.0, []
-    for epoch in range(cfg["sylvie_epochs"]):
-      # step's second argument keys the epoch's dropout and 1-bit stochastic rounding
-      state, loss = tr.step(state, reseed(epoch, seed))
-      if (epoch + 1) % cfg["sylvie_eval_every"] == 0:
-        pred = tr.logits(state["params"]).argmax(-1)
-        val = float(np.mean(pred[ds.val_mask] == ds.labels[ds.val_mask]))
-        test = float(np.mean(pred[ds.test_mask] == ds.labels[ds.test_mask]))
-        curve.append((epoch + 1, float(loss), val, test))
-        if val > best_val:
-          best_val, best_test = val, test
+    # each epoch's seed keys its dropout and 1-bit stochastic rounding
+    res = train_sylvie(tr, params, ds, epochs=cfg["sylvie_epochs"], eval_every=cfg["sylvie_eval_every"],
+                       seeds=[reseed(epoch, seed) for epoch in range(cfg["sylvie_epochs"])])
     wall = time.perf_counter() - t0
-    st = time_fn(lambda s: tr.step(s, reseed(0, seed)), state, iters=3)
-    results[name] = dict(wire=wire, test=best_test, epoch_ms=st.ms, curve=curve, wall=wall)
+    st = time_fn(lambda s: tr.step(s, reseed(0, seed)), res["state"], iters=3)
+    results[name] = dict(wire=wire, test=res["test_acc"], epoch_ms=st.ms, curve=res["curve"], wall=wall)
   claimed = {q: plan.wire_bytes(dims[:-1], q) for q in (False, True)}
   fp, q0, q1 = results["fp32"], results["1bit_s0"], results["1bit_s1"]
   _plot_sylvie(results, out)

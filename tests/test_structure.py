@@ -312,14 +312,7 @@ FORMER_COPIES = (("jaxsys/models", "gnn.py"), ("jaxsys/models", "graph_transform
 def node_classification_cross_entropies(tree: ast.AST) -> list[tuple[int, str]]:
   """Cross-entropy calls in a module that uses the graph stack (imports from ``GRAPH_STACK`` or
   ``from jaxsys import graphs``, at any depth): each is a masked node cross-entropy written again."""
-  uses_graphs = False
-  for n in ast.walk(tree):
-    if isinstance(n, ast.Import):
-      uses_graphs |= any(a.name.startswith(GRAPH_STACK) for a in n.names)
-    elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
-      uses_graphs |= n.module.startswith(GRAPH_STACK) or (
-          n.module == "jaxsys" and any(a.name == "graphs" for a in n.names))
-  return _calls(tree, CROSS_ENTROPY) if uses_graphs else []
+  return _calls(tree, CROSS_ENTROPY) if _imports_graph_stack(tree) else []
 
 
 def test_one_masked_node_cross_entropy():
@@ -344,3 +337,41 @@ def test_one_masked_node_cross_entropy():
     if not any(_calls(ast.parse(p.read_text()), {"masked_node_cross_entropy"}) for p in paths):
       missing.append(f"{root}/**/{name}")
   assert not missing, "former copies that no longer call masked_node_cross_entropy: " + ", ".join(missing)
+
+
+NODE_LOOP = "run_node_training"  # jaxsys/models/node_classification.py: the one loop
+
+
+def node_training_loops(tree: ast.AST) -> list[tuple[int, str]]:
+  """In a module on the graph stack: compiled step loops, and train steps built without the one
+  loop (``make_train_step`` in a module that never calls ``run_node_training``)."""
+  if not _imports_graph_stack(tree):
+    return []
+  found = _calls(tree, {"scan", "fori_loop", "while_loop"})
+  if not _calls(tree, {NODE_LOOP}):
+    found += _calls(tree, {"make_train_step"})
+  return sorted(found)
+
+
+def _imports_graph_stack(tree: ast.AST) -> bool:
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Import) and any(a.name.startswith(GRAPH_STACK) for a in n.names):
+      return True
+    if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and (
+        n.module.startswith(GRAPH_STACK) or (n.module == "jaxsys" and any(a.name == "graphs" for a in n.names))):
+      return True
+  return False
+
+
+def test_one_node_classification_loop():
+  """The graph models' recipes (GNN / A2Q, graph transformer, Sylvie) train on
+  ``jaxsys.models.node_classification.run_node_training``: no model module on the graph stack
+  compiles its own step loop or builds a train step it does not run there."""
+  own = ast.parse("from jaxsys.graphs import node_loss\nstep = make_train_step(f, tx)\n"
+                  "out = jax.lax.scan(body, s, xs)\n")
+  assert node_training_loops(own) == [(2, "make_train_step"), (3, "scan")]
+  found = [f"{rel}:{ln} {name}" for rel, tree in _sources("jaxsys") if rel.startswith("jaxsys/models/")
+           for ln, name in node_training_loops(tree)]
+  assert not found, "a second node-classification loop:\n" + "\n".join(found)
+  users = {rel for rel, tree in _sources("jaxsys") if rel.startswith("jaxsys/models/") and _calls(tree, {NODE_LOOP})}
+  assert len(users) >= 2, users  # the GNN and the graph-transformer recipes

@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
+from jaxsys.models.node_classification import run_node_training
 from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, QuantGATConv, QuantGCNConv,
                                  QuantGINConv, QuantLinear, WeightQuantizer)
 from jaxsys.ops.quantized_agg import normalized_edges
@@ -37,7 +38,8 @@ from jaxsys.train import make_train_step
 
 __all__ = [
     "average_feature_bits", "compression_ratio", "feature_quantizers", "GNN", "GNNConfig",
-    "GNNTrainConfig", "KINDS", "masked_accuracy", "NodeData", "train_gnn", "weight_quantizers",
+    "GNNTrainConfig", "KINDS", "masked_accuracy", "NodeData", "train_gnn", "train_sylvie",
+    "weight_quantizers",
 ]
 
 KINDS = ("gcn", "gin", "gat")
@@ -219,7 +221,8 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
 
   ``val_acc``: the best validation accuracy (first epoch reaching it, ``best_step``);
   ``test_acc``/``avg_bits``/``model``: at that epoch; ``losses``: training loss per epoch;
-  ``history``: ``(loss, train_acc, val_acc, test_acc, avg_bits)`` per epoch.
+  ``history``: ``(loss, train_acc, val_acc, test_acc, avg_bits)`` per epoch. The epochs run on
+  the one node-classification loop (``jaxsys.models.node_classification``), evaluated after each.
   """
   if data.x.shape[1] != model.cfg.in_features:
     raise ShapeError(f"features have {data.x.shape[1]} columns, model expects "
@@ -232,7 +235,6 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
   tx = optax.multi_transform({
       "weights": optax.adamw(cfg.lr, weight_decay=cfg.weight_decay),
       "step": optax.adam(cfg.lr_step), "bits": optax.adam(cfg.lr_bits)}, labels)
-  opt_state = tx.init(params)
   train_mask = data.train_mask
 
   def loss_fn(model, seed):
@@ -246,28 +248,60 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
           degree_regularizer(b, db) for (b, _), db in zip(info, cfg.degree_bits) if db is not None)
     return loss
 
-  step = make_train_step(loss_fn, tx, graphdef=graphdef)
+  step = make_train_step(loss_fn, tx, graphdef=graphdef, jit=False)  # traced inside the loop
 
-  @jax.jit
-  def evaluate(p):
-    logits, info = nnx.merge(graphdef, p, rest)(data.x, data.edges, train=False)
+  def update(state, seed):  # state: (params, opt_state); every epoch starts from the same rest
+    params, opt_state, loss, _, _ = step(*state, rest, seed)
+    return (params, opt_state), loss
+
+  def evaluate(state):  # [train, val, test accuracy, average bits]
+    logits, info = nnx.merge(graphdef, state[0], rest)(data.x, data.edges, train=False)
     accs = [masked_accuracy(logits, data.labels, m)
             for m in (data.train_mask, data.val_mask, data.test_mask)]
-    avg = a2q.average_bits(info) if info else jnp.float32(32.0)
-    return jnp.stack(accs), avg
+    return jnp.stack([*accs, a2q.average_bits(info) if info else jnp.float32(32.0)])
 
-  best = (-1.0, None, None, None, -1)
-  history = []
-  for epoch in range(cfg.epochs):
-    # a distinct 32-bit stream per (seed, epoch); wraps instead of overflowing for large seeds
-    params, opt_state, loss, _, _ = step(params, opt_state, rest,
-                                         jnp.uint32((seed * 100003 + epoch) % 2**32))
-    accs, avg = evaluate(params)
-    accs = np.asarray(accs)
-    history.append((float(loss), *map(float, accs), float(avg)))
-    if accs[1] > best[0]:
-      best = (float(accs[1]), float(accs[2]), jax.tree.map(lambda a: a, params), float(avg), epoch)
-  final = nnx.merge(graphdef, best[2], rest)
-  return {"val_acc": best[0], "test_acc": best[1], "best_step": best[4],
-          "losses": [h[0] for h in history], "avg_bits": best[3], "model": final,
-          "history": history}
+  # a distinct 32-bit dropout stream per (seed, epoch); wraps instead of overflowing for large seeds
+  seeds = np.array([(seed * 100003 + e) % 2**32 for e in range(cfg.epochs)], np.uint32)
+  run = run_node_training(update, evaluate, (params, tx.init(params)), seeds, steps=cfg.epochs,
+                          num_metrics=4, select=1, keep=lambda state: state[0], desc="gnn")
+  history = [(float(loss), *map(float, m)) for loss, m in zip(run.losses, run.metrics)]
+  best = history[run.best]
+  return {"val_acc": best[2], "test_acc": best[3], "best_step": run.best,
+          "losses": [h[0] for h in history], "avg_bits": best[4],
+          "model": nnx.merge(graphdef, run.kept, rest), "history": history}
+
+
+def train_sylvie(trainer, params, ds, *, epochs: int, eval_every: int = 1, seeds=None) -> dict:
+  """Sylvie's distributed full-graph GCN training on the one node-classification loop.
+
+  ``trainer``: a ``jaxsys.parallel.graph_comm.SylvieTrainer``; ``params``: its GCN parameters
+  (``init_gcn_params``); ``ds``: a ``NodeDataset`` (features, labels, train/val/test masks).
+  ``seeds``: the per-epoch step seeds (dropout and 1-bit stochastic rounding), int[epochs];
+  default: the epoch number, as ``trainer.step(state, epoch)``. Evaluation (exact float32
+  exchange, no dropout) follows every ``eval_every``-th epoch and the last.
+
+  Returns ``state`` (the trainer state after the last epoch), ``val_acc`` / ``test_acc`` at the
+  first best validation accuracy, ``best_step``, ``losses`` (per epoch) and ``curve``:
+  ``(epoch, loss, val_acc, test_acc)`` at each evaluation (``epoch`` counts from 1).
+  """
+  seeds = np.arange(epochs) if seeds is None else np.asarray(seeds)
+  if seeds.shape != (epochs,):
+    raise ShapeError(f"seeds must be int[epochs={epochs}], got shape {seeds.shape}")
+  state = trainer.init(params, ds.features, ds.labels, ds.train_mask)
+  labels = trainer.put_nodes(np.asarray(ds.labels, np.int32))           # int32 [P, Nl]
+  masks = [trainer.put_nodes(np.asarray(m, bool), False) for m in (ds.val_mask, ds.test_mask)]
+  counts = [int(np.sum(m)) for m in (ds.val_mask, ds.test_mask)]
+
+  def update(state, seed):
+    return trainer.step(state, seed)
+
+  def evaluate(state):  # [val, test] hit counts (exact in float32); divided on the host
+    pred = jnp.argmax(trainer.slab_logits(state["params"]), -1)      # [P, Nl]
+    return jnp.stack([jnp.sum((pred == labels) & m) for m in masks]).astype(jnp.float32)
+
+  run = run_node_training(update, evaluate, state, seeds.astype(np.uint32), steps=epochs,
+                          num_metrics=2, eval_every=eval_every, select=0, desc="sylvie")
+  val, test = (run.metrics[:, i].astype(np.float64) / max(c, 1) for i, c in enumerate(counts))
+  curve = [(i + 1, float(run.losses[i]), float(val[i]), float(test[i])) for i in np.flatnonzero(run.evals)]
+  return {"state": run.state, "val_acc": float(val[run.best]), "test_acc": float(test[run.best]),
+          "best_step": run.best, "losses": run.losses.tolist(), "curve": curve}

@@ -50,6 +50,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
+from jaxsys.models.node_classification import run_node_training
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
 from jaxsys.ops.graph_attn import segment_softmax
 
@@ -324,17 +325,13 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
 
   ``l2`` adds ``l2 * w`` to every gradient (coupled L2 as in the GCN/GAT reference code; AdamW's
   decoupled ``weight_decay`` is scaled by ``lr`` and is far weaker at the same value).
-  ``dense_schedule(step) -> bool`` picks dense steps (dual-interleaved attention). The whole
-  run -- every step and every ``eval_every``-th evaluation -- is one compiled ``lax.scan``:
-  per-step dispatch from Python cost more than a Cora step. ``step_ms`` is the run's mean
+  ``dense_schedule(step) -> bool`` picks dense steps (dual-interleaved attention). The run is
+  the one node-classification loop (``jaxsys.models.node_classification``): every step and
+  every ``eval_every``-th evaluation in one compiled ``lax.scan``. ``step_ms`` is the run's mean
   wall time per step (evaluations included, compilation excluded). ``progress``: a tqdm bar (on
   stderr) that the compiled run advances at every evaluation, with the loss and val accuracy.
   """
-  import logging
-  import time
-
   import optax
-  from tqdm.auto import tqdm
 
   from jaxsys.train import make_train_step
   labels = jnp.asarray(ds.labels)
@@ -344,67 +341,35 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
     tx = optax.chain(optax.add_decayed_weights(l2), tx)
   model.train()
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  # The scan carries (params, optimizer state, rest): rest holds the dropout RNG counters.
-  state = (params, tx.init(params), rest)
   dense = np.array([bool(dense_schedule(i)) if dense_schedule else False for i in range(steps)])
-  evals = np.array([(i + 1) % eval_every == 0 or i == steps - 1 for i in range(steps)])
 
   def loss_fn(model, dense_step):  # dense_step: a Python bool (one program per value)
     logits = model(x, inputs, dense_step=dense_step)
     return masked_node_cross_entropy(logits, labels, masks["train"])
 
-  update = make_train_step(loss_fn, tx, graphdef=graphdef, jit=False)  # traced inside the scan
+  step = make_train_step(loss_fn, tx, graphdef=graphdef, jit=False)  # traced inside the loop
 
   def train_step(state, dense_step):
-    params, opt_state, loss, _, rest = update(*state, dense_step)
+    params, opt_state, loss, _, rest = step(*state, dense_step)
     return (params, opt_state, rest), loss
 
-  def evaluate(state):
+  def update(state, dense_step):  # state: (params, opt_state, rest); rest: dropout RNG counters
+    if dense.any() and not dense.all():  # both programs compiled once, picked per step
+      return jax.lax.cond(dense_step, lambda s: train_step(s, True), lambda s: train_step(s, False), state)
+    return train_step(state, bool(dense.any()))
+
+  def evaluate(state):  # [val, test accuracy]
     params, _, rest = state
     model = nnx.merge(graphdef, params, rest)
     model.eval()
     logits = model(x, inputs, dense_step=False)
     return jnp.stack([masked_accuracy(logits, labels, masks[k]) for k in ("val", "test")])
 
-  bar = tqdm(total=steps, desc="graph transformer", disable=not progress, leave=False, dynamic_ncols=True)
-
-  def report(step, loss, val):  # host side, at evaluation steps only (one callback per eval)
-    bar.n = int(step) + 1
-    bar.set_postfix(loss=f"{float(loss):.3f}", val=f"{float(val):.3f}", refresh=False)
-    bar.refresh()
-
-  def with_report(state, step, loss):
-    acc = evaluate(state)
-    if progress:
-      jax.debug.callback(report, step, loss, acc[0])
-    return acc
-
-  def body(state, flags):
-    dense_step, do_eval, step = flags
-    if dense.any() and not dense.all():  # both programs compiled once, picked per step
-      state, loss = jax.lax.cond(dense_step, lambda s: train_step(s, True),
-                                 lambda s: train_step(s, False), state)
-    else:
-      state, loss = train_step(state, bool(dense.any()))
-    acc = jax.lax.cond(do_eval, lambda s: with_report(s, step, loss), lambda s: jnp.full((2,), -1.0), state)
-    return state, (loss, acc)
-
-  log = logging.getLogger("jaxsys")
-  idx = np.arange(steps, dtype=np.int32)
-  t_c = time.perf_counter()
-  run = jax.jit(lambda state, d, e, i: jax.lax.scan(body, state, (d, e, i))).lower(
-      state, dense, evals, idx).compile()
-  log.info("graph transformer: compiled %d steps in %.1fs", steps, time.perf_counter() - t_c)
-  t0 = time.perf_counter()
-  try:
-    state, (losses, acc) = jax.block_until_ready(run(state, dense, evals, idx))
-  finally:
-    bar.close()
-  step_ms = 1e3 * (time.perf_counter() - t0) / steps
-  log.info("graph transformer: %d steps, %.2f ms/step", steps, step_ms)
-  nnx.update(model, state[0], state[2])
-  acc = np.asarray(acc)
-  best = int(np.argmax(acc[:, 0]))  # first step with the best val accuracy
+  run = run_node_training(update, evaluate, (params, tx.init(params), rest), dense, steps=steps,
+                          num_metrics=2, eval_every=eval_every, select=0, progress=progress,
+                          desc="graph transformer")
+  nnx.update(model, run.state[0], run.state[2])
+  acc, best = run.metrics, run.best  # best: the first step with the best val accuracy
   return {"val_acc": float(acc[best, 0]), "test_acc": float(acc[best, 1]),
-          "best_step": best, "losses": np.asarray(losses).tolist(), "step_ms": step_ms,
-          "val_curve": acc[evals, 0].tolist(), "test_curve": acc[evals, 1].tolist()}
+          "best_step": best, "losses": run.losses.tolist(), "step_ms": run.step_ms,
+          "val_curve": acc[run.evals, 0].tolist(), "test_curve": acc[run.evals, 1].tolist()}

@@ -308,6 +308,11 @@ class SylvieTrainer:
   def _put(self, arr):
     return jax.device_put(jnp.asarray(arr), NamedSharding(program_mesh(self.mesh), P(self.cfg.axis)))
 
+  def put_nodes(self, arr, fill=0):
+    """Global per-node ``[N, ...]`` -> ``[P, Nl, ...]`` split over the partition axis (padding
+    rows = ``fill``), laid out like :meth:`slab_logits`."""
+    return self._put(self.plan.shard_nodes(arr, fill))
+
   def _placed(self, params, *sharded):
     """The program mesh and the step's inputs on it: ``params`` replicated, the rest split
     over the partition axis (a reshard on Explicit axes; see ``jaxsys.core.mesh``)."""
@@ -418,9 +423,14 @@ class SylvieTrainer:
     return jax.shard_map(dev, mesh=mesh, in_specs=(P(), {k: P(ax) for k in data}),
                          out_specs=P(ax), check_vma=False)(params, data)
 
+  def slab_logits(self, params) -> jax.Array:
+    """Per-device logits ``[P, Nl, C]`` on the mesh (exact float32 exchange, no dropout); a
+    traced call inlines into the caller's program."""
+    return self._eval(params)
+
   def logits(self, params) -> np.ndarray:
     """Global-order logits ``[N, C]`` (exact float32 exchange, no dropout)."""
-    return self.plan.gather_nodes(np.asarray(self._eval(params)))
+    return self.plan.gather_nodes(np.asarray(self.slab_logits(params)))
 
   def measured_wire_bytes(self, state) -> int:
     """Bytes moved between devices by one step, read off the all_to_all operands it traces."""
