@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from jaxsys import graphs
-from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.models.gnn import (GNN, GNNConfig, GNNTrainConfig, NodeData, compression_ratio,
                                feature_quantizers, train_gnn)
 from jaxsys.nn.quantized import A2QConfig
@@ -97,3 +97,34 @@ def test_training_takes_any_seed(ds):
   model = GNN(GNNConfig(12, 4, hidden=8, dropout=0.5), ds.num_nodes, rngs=nnx.Rngs(0))
   res = train_gnn(model, data, GNNTrainConfig(epochs=2, lr=0.02), seed=100_003 * 10_000)
   assert len(res["history"]) == 2 and np.isfinite(res["history"][-1][0])
+
+
+def test_sylvie_on_the_loop_equals_its_steps_run_from_python(devices):
+  """``train_sylvie`` (the one loop) against SylvieTrainer's own jitted steps and host-side
+  accuracies, on 2 devices with 1-bit exchange and staleness 1."""
+  import jax
+  from jaxsys.core.mesh import make_mesh
+  from jaxsys.models.gnn import train_sylvie
+  from jaxsys.parallel.graph_comm import (SylvieConfig, SylvieTrainer, build_partition_plan,
+                                          init_gcn_params)
+  g = graphs.sbm_graph(48, num_classes=3, num_features=8, avg_degree=4, seed=2)
+  plan = build_partition_plan(g.senders, g.receivers, g.num_nodes, np.arange(g.num_nodes) % 2, 2)
+  dims = (g.num_features, 4, g.num_classes)
+  params = init_gcn_params(jax.random.key(0), dims)
+  tr = SylvieTrainer(plan, dims, SylvieConfig(quantize=True, staleness=1, lr=0.05),
+                     make_mesh({"graph": 2}, devices[:2]))
+  state, curve = tr.init(params, g.features, g.labels, g.train_mask), []
+  for epoch in range(4):
+    state, loss = tr.step(state, epoch + 7)
+    if epoch % 2 == 1:
+      pred = tr.logits(state["params"]).argmax(-1)
+      curve.append((epoch + 1, float(loss), *(float(np.mean(pred[m] == g.labels[m]))
+                                              for m in (g.val_mask, g.test_mask))))
+  res = train_sylvie(tr, params, g, epochs=4, eval_every=2, seeds=[e + 7 for e in range(4)])
+  assert res["curve"] == curve
+  best = max(range(len(curve)), key=lambda i: (curve[i][2], -i))
+  assert (res["val_acc"], res["test_acc"], res["best_step"]) == (curve[best][2], curve[best][3], 2 * best + 1)
+  for a, b in zip(jax.tree.leaves(res["state"]["params"]), jax.tree.leaves(state["params"])):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ShapeError, match="seeds"):
+    train_sylvie(tr, params, g, epochs=4, seeds=[0, 1])
