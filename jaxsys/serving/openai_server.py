@@ -337,7 +337,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str
       obj = "chat.completion" if chat else "text_completion"
       base = {"id": rid, "created": int(time.time()), "model": model_name}
       log.info("request %s: accepted (%s, n=%d, stream=%s)", rid, obj, params.n, bool(body.get("stream")))
-      if body.get("stream"):
+      if body.get("stream") and tools is None:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream(q, rid, base, obj, params, chat, usage, track, (deadline, timeout)),
                                  media_type="text/event-stream")
@@ -365,9 +365,31 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str
     track.done(prompt_tokens)
     log.info("request %s: done in %.3fs, %d completion tokens", rid, time.perf_counter() - t0,
              sum(completion))
-    return {**base, "object": obj, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
-                      "total_tokens": prompt_tokens + sum(completion)}}
+    reply = {**base, "object": obj, "choices": choices,
+             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
+                       "total_tokens": prompt_tokens + sum(completion)}}
+    if body.get("stream"):  # with tools: a reply is parsed whole, then streamed as one delta per choice
+      usage = bool((body.get("stream_options") or {}).get("include_usage"))
+      return StreamingResponse(_replay(reply, usage), media_type="text/event-stream")
+    return reply
+
+  async def _replay(reply, usage: bool):
+    """A finished chat reply as OpenAI's stream: per choice, one delta (its content or its
+    ``tool_calls``, each with its ``index``) and one chunk with the finish reason; then the usage."""
+    base = {k: reply[k] for k in ("id", "created", "model")}
+    sse = lambda d: f"data: {json.dumps(d)}\n\n"  # noqa: E731
+    for c in reply["choices"]:
+      msg = c["message"]
+      delta = {"role": "assistant", "content": msg["content"]}
+      if msg.get("tool_calls"):
+        delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(msg["tool_calls"])]
+      for d, reason in ((delta, None), ({}, c["finish_reason"])):
+        yield sse({**base, "object": "chat.completion.chunk",
+                   "choices": [{"index": c["index"], "delta": d, "logprobs": c["logprobs"] if reason is None
+                                else None, "finish_reason": reason}]})
+    if usage:
+      yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": reply["usage"]})
+    yield "data: [DONE]\n\n"
 
   async def _stream(q, rid, base, obj, params, chat, usage, track, deadline):
     obj += ".chunk" if chat else ""
@@ -425,9 +447,6 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None, *, api_key: str
     spec = tool_spec(body)
     if spec is None:
       return await _serve(request, body, messages, chat=True)
-    if body.get("stream") and spec.choice != "none":
-      raise APIError(400, "stream=true with tools is not supported (send tool_choice 'none' or stream=false)",
-                     "stream")
     msgs, tools_arg = render(messages, spec, tokenizer.chat_template)
     try:  # the prompt as ids: the template takes the tools (or they are in the messages by now)
       ids = tokenizer.apply_chat_template(msgs, tools=tools_arg, add_generation_prompt=True)

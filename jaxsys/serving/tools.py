@@ -14,7 +14,8 @@ replies in OpenAI's ``tool_calls`` shape.
 * **Reply.** ``{"role": "assistant", "content": null, "tool_calls": [{"id": "call_...", "type":
   "function", "function": {"name", "arguments": <JSON string>}}]}`` with ``finish_reason
   "tool_calls"``; one call per reply (``parallel_tool_calls`` is accepted: one call is within "may").
-  Streaming with tools (other than ``"none"``) is a 400.
+  With ``stream: true`` the reply is parsed whole and then sent as one delta per choice (its content
+  or its ``tool_calls``), since a call is only known once the reply is complete.
 """
 
 from __future__ import annotations

@@ -475,6 +475,14 @@ def test_tool_call_round_trip(setup):
   args = json.loads(call.function.arguments)
   assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
   assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 10
+  # streamed: the same call, as a tool_calls delta, then finish_reason tool_calls
+  chunks = list(client.chat.completions.create(
+      model=NAME, messages=messages, tools=[WEATHER], max_tokens=48, temperature=0, stream=True,
+      stream_options={"include_usage": True}, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+  deltas = [c.choices[0] for c in chunks if c.choices]
+  assert [d.finish_reason for d in deltas] == [None, "tool_calls"] and chunks[-1].usage.completion_tokens > 0
+  (streamed,) = deltas[0].delta.tool_calls
+  assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
   required = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=48,
                                             temperature=1.0, seed=2, tool_choice="required").choices[0]
   assert required.finish_reason == "tool_calls" and required.message.tool_calls[0].function.name == "get_weather"
@@ -491,7 +499,6 @@ def test_tool_call_round_trip(setup):
                      "tool_choice"),
                     (dict(tool_choice="required"), "tool_choice"),
                     (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
-                    (dict(tools=[WEATHER], tool_choice="required", stream=True), "stream"),
                     (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
                      "tool_choice")):
     with pytest.raises(openai.BadRequestError) as e:
