@@ -20,7 +20,7 @@
   ``jaxsys_generation_tokens_total``, histograms ``jaxsys_time_to_first_token_seconds`` and
   ``jaxsys_inter_token_latency_seconds``, and gauges read from the engine at scrape time:
   ``jaxsys_kv_pages_used``, ``jaxsys_kv_pages_free``, ``jaxsys_requests_waiting``,
-  ``jaxsys_requests_running``, ``jaxsys_preemptions`` (a running total).
+  ``jaxsys_requests_running``, and the counter ``jaxsys_preemptions_total``.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations (``Request``) at runtime.
@@ -48,7 +48,7 @@ class ServerMetrics:
 
   def __init__(self, engine):
     from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: PLC0415  (serve extra)
-    from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
     self.registry = CollectorRegistry()
     r = self.registry
     self.requests = Counter("jaxsys_requests", "HTTP requests by endpoint and status code",
@@ -68,9 +68,10 @@ class ServerMetrics:
             ("jaxsys_kv_pages_used", "KV-cache pages held by sequences", c.num_pages - free),
             ("jaxsys_kv_pages_free", "KV-cache pages a new sequence could take", free),
             ("jaxsys_requests_waiting", "sequences queued for admission", len(s.waiting)),
-            ("jaxsys_requests_running", "sequences holding pages", len(s.running)),
-            ("jaxsys_preemptions", "sequences preempted so far (pool out of pages)", s.stats["preemptions"])):
+            ("jaxsys_requests_running", "sequences holding pages", len(s.running))):
           yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("jaxsys_preemptions", "sequences preempted so far (pool out of pages)",
+                                  value=s.stats["preemptions"])
 
     r.register(_EngineState())
 

@@ -374,7 +374,7 @@ def test_tokenize_detokenize_version_embeddings_and_metrics(setup):
   assert value("jaxsys_generation_tokens", "_total") >= 3 and value("jaxsys_prompt_tokens", "_total") >= 2
   assert value("jaxsys_time_to_first_token_seconds", "_count") >= 1
   assert value("jaxsys_inter_token_latency_seconds", "_count") >= 2
-  assert value("jaxsys_preemptions") >= 0
+  assert value("jaxsys_preemptions", "_total") >= 0 and "jaxsys_preemptions" in fams
   assert any(s.labels == {"endpoint": "/v1/completions", "status": "200"} and s.value >= 1
              for s in fams["jaxsys_requests"].samples)
 
