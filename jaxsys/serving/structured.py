@@ -19,9 +19,9 @@ tokens), so a model cannot wander in whitespace until ``max_tokens``.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+import weakref
 
 import numpy as np
 
@@ -68,18 +68,22 @@ def grammar_for(*, json_schema=None, regex: str | None = None, choices=None) -> 
   return grammar
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_tokenizer(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]):
-  return _llguidance().LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos))
+# tokenizer -> {(vocab size, eos ids): LLTokenizer}; weak, so a dropped engine frees its entry
+_LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
   """llguidance's view of ``tokenizer`` (a :class:`jaxsys.models.tokenizer.Tokenizer`) over the model's
-  ``vocab_size`` ids, ending at ``eos_ids`` (built once per tokenizer: ~0.5 s for 49K tokens)."""
+  ``vocab_size`` ids, ending at ``eos_ids``, built once per tokenizer (~0.5 s for 49K tokens; its
+  tokenizers JSON alone takes ~25 ms to serialise, too long for every request)."""
   backend = getattr(tokenizer, "backend", None)
   if backend is None:
     raise ConfigError("structured outputs need a jaxsys.models.Tokenizer (its tokenizers JSON)")
-  return _cached_tokenizer(backend.to_str(), int(vocab_size), tuple(int(e) for e in eos_ids))
+  key = (int(vocab_size), tuple(int(e) for e in eos_ids))
+  built = _LL_TOKENIZERS.setdefault(tokenizer, {})
+  if key not in built:
+    built[key] = _llguidance().LLTokenizer(backend.to_str(), n_vocab=key[0], eos_token=list(key[1]))
+  return built[key]
 
 
 class Constraint:
