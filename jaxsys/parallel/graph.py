@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import explicit_axes, place, program_mesh
+from jaxsys.core.step import make_train_step
 from jaxsys.graphs.dataset import NodeDataset, degrees
 from jaxsys.graphs.partition import metis_partition
 from jaxsys.graphs.inputs import GraphInputs
@@ -267,7 +268,6 @@ def make_graph_parallel_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx,
   """A jitted ``step(graphdef, params, rest, opt_state, (labels, mask), dense_step)`` ->
   ``(params, opt_state, loss)`` training a ``GraphTransformer`` whose forward runs under
   ``shard_map`` (graph arrays are passed as arguments, not constants)."""
-  from jaxsys.core.step import apply_optax
   arrays = plan_arrays(plan, mesh, axis)
 
   def step(graphdef, params, rest, opt_state, batch, dense_step):
@@ -283,8 +283,7 @@ def make_graph_parallel_step(plan: GraphPartitionPlan, mesh: Mesh, optimizer_tx,
                                  dense_step=dense_step, dense_strategy=dense_strategy,
                                  arrays=arrays)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    params, opt_state = apply_optax(optimizer_tx, grads, opt_state, params)
+    params, opt_state, loss, _ = make_train_step(loss_fn, optimizer_tx, jit=False)(params, opt_state)
     return params, opt_state, loss
 
   return step
