@@ -53,7 +53,8 @@ from jaxsys.models._hf_config import config_from_hf, config_to_hf
 from jaxsys.models.decoder import Decoder
 
 __all__ = ["from_pretrained", "from_hf_model", "save_pretrained", "random_model",
-           "config_from_hf", "config_to_hf", "hf_state_dict", "load_state_dict"]
+           "config_from_hf", "config_to_hf", "hf_state_dict", "load_state_dict", "lora_state_dict",
+           "save_lora_adapters"]
 
 # Buffers some transformers versions store that carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -303,6 +304,54 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype=None,
 
   _replace_dir(Path(path), write, keep=lambda name: not _WEIGHT_FILE.fullmatch(name)
                and name != CONFIG_NAME)
+  return Path(path)
+
+
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+
+
+def lora_state_dict(model: Decoder) -> tuple[dict[str, np.ndarray], dict]:
+  """The model's LoRA adapters (``jaxsys.nn.lora``) in PEFT's layout: ``(tensors, adapter_config)``.
+
+  jaxsys keeps ``A [fan_in, r]``, ``B [r, fan_out]`` with ``W' = W + (alpha/r) (A @ B)`` in its
+  ``[in..., out...]`` weight layout; Hugging Face weights are ``[out, in]``, so PEFT's
+  ``lora_A.weight [r, in] = A.T`` and ``lora_B.weight [out, r] = B.T`` give the same
+  ``W'_hf = W_hf + (alpha/r) lora_B @ lora_A`` (Hu et al., 2021, eq. 3)."""
+  from jaxsys.nn.lora import LoRAWeight
+  tensors, targets, settings = {}, set(), set()
+  for name, (path, *_rest) in _weight_map(model.config).items():
+    w = _get_var(model, path)
+    if not isinstance(w, LoRAWeight):
+      continue
+    module = name[:-len(".weight")]                   # model.layers.0.self_attn.q_proj
+    tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(w.lora_a[...]).T)
+    tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(w.lora_b[...]).T)
+    targets.add(module.rsplit(".", 1)[1])
+    settings.add((w.rank, w.scale * w.rank))
+  if not tensors:
+    raise ConfigError("the model has no LoRA adapters (jaxsys.nn.lora.apply_lora)")
+  if len(settings) > 1:
+    raise ConfigError(f"PEFT's adapter config holds one rank and alpha; the adapters have {sorted(settings)}")
+  (rank, alpha), = settings
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
+  return tensors, config
+
+
+def save_lora_adapters(model: Decoder, path: str | os.PathLike, *, base_model: str | None = None) -> Path:
+  """Writes the adapters alone as a PEFT folder (``adapter_model.safetensors`` +
+  ``adapter_config.json``; :func:`lora_state_dict`), atomically like :func:`save_pretrained`.
+  ``base_model``: recorded as ``base_model_name_or_path`` (e.g. the merged-free base's folder)."""
+  tensors, config = lora_state_dict(model)
+  config["base_model_name_or_path"] = base_model
+
+  def write(tmp: Path):
+    _write_json(tmp / ADAPTER_CONFIG_NAME, config)
+    st.write_file(tmp / ADAPTER_WEIGHTS_NAME, tensors)
+
+  _replace_dir(Path(path), write, keep=lambda name: name not in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME))
   return Path(path)
 
 

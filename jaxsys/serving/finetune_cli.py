@@ -17,6 +17,8 @@ Run folder ``--out``:
   changing ``--steps`` or ``--lr`` against a checkpoint is refused (it would change the schedule);
 * ``hf/``: the tuned model (LoRA adapters merged) as a Hugging Face folder with its tokenizer
   files (``AutoModelForCausalLM`` / ``AutoTokenizer`` load it; so do ``jaxsys chat/serve``);
+* ``adapters/`` (with ``--lora``): the adapters alone as a PEFT folder (``adapter_model.safetensors``
+  + ``adapter_config.json``), for the base model;
 * ``model.gguf`` (``--gguf-dtype``, ``none`` to skip): the same weights for llama.cpp, with the
   source GGUF's tokenizer when the model came from one.
 """
@@ -79,7 +81,7 @@ def _mesh(text):
 def run(args) -> dict:
   from jaxsys.models import sft
   from jaxsys.models.gguf import save_gguf
-  from jaxsys.models.hf import save_pretrained
+  from jaxsys.models.hf import save_lora_adapters, save_pretrained
   from jaxsys.nn.lora import LoRAConfig, merge_lora
   from jaxsys.serving.cli_common import load_model
   from jaxsys.train import TrainConfig
@@ -97,6 +99,8 @@ def run(args) -> dict:
   res, data = sft.finetune(model, tokenizer, chats, cfg, seq_len=args.seq_len, batch_size=args.batch_size,
                            seed=args.seed, lora=lora, mesh=mesh, workdir=out / "work",
                            progress=not args.no_progress)
+  if lora is not None:  # the adapters alone first (PEFT folder), then merged into the weights
+    save_lora_adapters(model, out / "adapters", base_model=str(args.model))
   merged = merge_lora(model)
   save_pretrained(model, out / "hf", tokenizer=tokenizer)
   if args.gguf_dtype != "none":

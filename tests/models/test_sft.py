@@ -91,6 +91,16 @@ def test_finetune_command_with_lora_resumes_and_exports(tmp_path, tokenizer, cap
   assert "total_steps=6 (checkpoint: 4)" in capsys.readouterr().err
   summary = json.loads((tmp_path / "run/summary.json").read_text())
   assert summary["lora_merged"] == 2 * 7 and summary["chats"] == 20
+  # the adapters alone, in PEFT's layout: base + (alpha/r) lora_B @ lora_A is the merged export
+  from safetensors.numpy import load_file
+  adapters = load_file(tmp_path / "run/adapters/adapter_model.safetensors")
+  peft = json.loads((tmp_path / "run/adapters/adapter_config.json").read_text())
+  assert peft["r"] == 4 and peft["lora_alpha"] == 8 and "q_proj" in peft["target_modules"]
+  merged_w = load_file(tmp_path / "run/hf/model.safetensors")
+  base_w = load_file(tmp_path / "base/model.safetensors")
+  for name in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
+    a, b = adapters[f"base_model.model.{name}.lora_A.weight"], adapters[f"base_model.model.{name}.lora_B.weight"]
+    np.testing.assert_allclose(merged_w[f"{name}.weight"], base_w[f"{name}.weight"] + 2.0 * b @ a, atol=1e-6)
   model, tok = load_model(str(tmp_path / "run/hf"))
   assert tok is not None and tok.apply_chat_template(CHATS[0]) == tokenizer.apply_chat_template(CHATS[0])
   base, _ = load_model(str(tmp_path / "base"))
