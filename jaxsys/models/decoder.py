@@ -35,7 +35,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.models._decoder_config import DecoderConfig
 from jaxsys.nn.attention import Attention, default_attention_fn
-from jaxsys.nn.explicit import call_on_auto_axes, explicit_mesh
+from jaxsys.nn.explicit import explicit_ok
 from jaxsys.nn.layers import DECODE_FORMATS, DecodeWeight, Embed, RMSNorm, SwiGLU, constrain, param
 
 __all__ = ["DecoderConfig", "Decoder", "CausalLM", "DecoderLayer", "DecoderOutput",
@@ -142,16 +142,9 @@ class Decoder(nnx.Module):
     return out.swapaxes(0, 1).reshape(b, -1)[:, :s]
 
   # ---- full model ---------------------------------------------------------------------------
+  @explicit_ok
   def __call__(self, tokens=None, *, positions=None, segment_ids=None, cache=None,
                return_hidden: bool = False, embeds=None):
-    mesh = explicit_mesh(tokens, embeds, positions, nnx.state(self, nnx.Param))
-    if mesh is not None:  # Explicit mesh axes: the layers' annotations are hints (nn.explicit)
-      return call_on_auto_axes(
-          self, lambda m, *a: m._call(*a, return_hidden=return_hidden), mesh,
-          tokens if tokens is not None else embeds, tokens, positions, segment_ids, cache, embeds)
-    return self._call(tokens, positions, segment_ids, cache, embeds, return_hidden=return_hidden)
-
-  def _call(self, tokens, positions, segment_ids, cache, embeds, *, return_hidden: bool):
     h, cache_out = self.forward_hidden(tokens, positions=positions, segment_ids=segment_ids,
                                        cache=cache, embeds=embeds)
     logits = self.logits(h)
@@ -159,6 +152,7 @@ class Decoder(nnx.Module):
       return logits
     return DecoderOutput(logits, cache_out, h if return_hidden else None)
 
+  @explicit_ok
   def forward_hidden(self, tokens=None, *, positions=None, segment_ids=None, cache=None,
                      embeds=None):
     """Runs the blocks and the final norm; returns ``(hidden [batch, seq, embed], cache)``.
@@ -169,14 +163,6 @@ class Decoder(nnx.Module):
     the positions they need (e.g. the last prompt token). On Explicit mesh axes it runs through
     ``jaxsys.nn.explicit.call_on_auto_axes``, as ``__call__`` does.
     """
-    mesh = explicit_mesh(tokens, embeds, positions, nnx.state(self, nnx.Param))
-    if mesh is not None:
-      return call_on_auto_axes(self, lambda m, *a: m._forward_hidden(*a), mesh,
-                               tokens if tokens is not None else embeds,
-                               tokens, positions, segment_ids, cache, embeds)
-    return self._forward_hidden(tokens, positions, segment_ids, cache, embeds)
-
-  def _forward_hidden(self, tokens, positions, segment_ids, cache, embeds):
     x = self._inputs(tokens, embeds)
     b, s = x.shape[:2]
     lengths = None if cache is None else cache.lengths

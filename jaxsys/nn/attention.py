@@ -27,6 +27,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsys.nn.explicit import explicit_ok
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.nn.layers import DecodeWeight, constrain, param
 from jaxsys.nn.rope import RopeConfig, apply_rope
@@ -148,6 +149,7 @@ class Attention(nnx.Module):
     mask = self.mask if extra_mask is None else self.mask & extra_mask
     return self.attention_fn(q, k, v, mask=mask, **kwargs)
 
+  @explicit_ok
   def __call__(self, x, positions, *, mask=None, segment_ids=None, cache=None, layer: int = 0):
     """``out [..., seq, dim]``, or ``(out, cache)`` when a cache is passed in.
 

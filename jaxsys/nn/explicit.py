@@ -18,14 +18,16 @@ placed with ``shard_params(model, jax.make_mesh(...), rules)`` runs forward, bac
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxsys.core.mesh import explicit_axes
 
-__all__ = ["call_on_auto_axes", "explicit_mesh"]
+__all__ = ["call_on_auto_axes", "explicit_mesh", "explicit_ok"]
 
 
 def _sharding(x):
@@ -78,3 +80,29 @@ def _mesh_scope(mesh):
   if isinstance(mesh, jax.sharding.Mesh):
     return jax.sharding.set_mesh(mesh)
   return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, jax.Array | np.ndarray)
+
+
+def explicit_ok(method):
+  """Decorates a layer's ``__call__`` (or another read-only method): on Explicit mesh axes it runs
+  through :func:`call_on_auto_axes` (array arguments pass through ``auto_axes``; everything else,
+  e.g. ``layer=i`` or ``mode="sparse"``, stays a Python value); elsewhere it is the method itself.
+  Outputs are sharded like the first array argument's leading axis."""
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    mesh = explicit_mesh(args, kwargs, nnx.state(self, nnx.Param))
+    if mesh is None:
+      return method(self, *args, **kwargs)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    arrays = [x for x in leaves if _is_array(x)]
+
+    def call(module, *arrs):
+      it = iter(arrs)
+      a, k = jax.tree.unflatten(treedef, [next(it) if _is_array(x) else x for x in leaves])
+      return method(module, *a, **k)
+
+    return call_on_auto_axes(self, call, mesh, arrays[0] if arrays else None, *arrays)
+  return wrapper

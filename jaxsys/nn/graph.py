@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsys.nn.explicit import explicit_ok
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.graphs.inputs import GraphInputs, graph_inputs  # noqa: F401  (re-exported: the layers' input)
 from jaxsys.ops.graph_attn import graph_attention
@@ -85,6 +86,7 @@ class GraphAttention(nnx.Module):
     self.qkv = _linear(dim, 3 * inner, ("embed", "heads"), **kw)
     self.out = _linear(inner, dim, ("heads", "embed"), **kw)
 
+  @explicit_ok
   def __call__(self, x, inputs: GraphInputs, *, mode: str = "sparse", attention_fn=None):
     """``attention_fn(q, k, v, mode)`` (e.g. a graph-parallel program) replaces ``attend``; it
     gets ``q, k, v [nodes, lead * heads, head_dim]``."""
@@ -119,6 +121,7 @@ class DegreeEncoding(nnx.Module):
     self.embed = nnx.Embed(max_degree + 1, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                            embedding_metadata={"logical_axes": (None, "embed")})
 
+  @explicit_ok
   def __call__(self, degree):
     return self.embed(jnp.minimum(degree, self.max_degree))
 
@@ -148,6 +151,7 @@ class GCNConv(nnx.Module):
     self.linear = _linear(in_dim, out_dim, ("embed", "mlp"), dtype=dtype, param_dtype=param_dtype,
                           rngs=rngs)
 
+  @explicit_ok
   def __call__(self, x, inputs: GraphInputs):
     if x.ndim < 2:
       raise ShapeError(f"x must be [..., nodes, features], got shape {x.shape}")

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logical_to_spec
+from jaxsys.nn.explicit import explicit_ok
 
 __all__ = [
     "activation_axes", "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
@@ -281,6 +282,7 @@ class RMSNorm(nnx.Module):
     self.dim, self.eps, self.dtype = dim, float(eps), dtype
     self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("embed",))
 
+  @explicit_ok
   def __call__(self, x):
     if x.shape[-1] != self.dim:
       raise ShapeError(f"x must end in {self.dim} features, got shape {x.shape}")
@@ -315,6 +317,7 @@ class Embed(nnx.Module):
     self.packed = nnx.data(DecodeWeight.from_rows(self.weight[...], fmt, logical=("vocab", "embed")))
     self.weight = None
 
+  @explicit_ok
   def __call__(self, tokens):
     if self.packed is not None:
       out = self.packed.rows_at(tokens).astype(self.dtype)
@@ -322,6 +325,7 @@ class Embed(nnx.Module):
       out = take_rows(self.weight[...], tokens).astype(self.dtype)  # [..., embed]
     return constrain(out, activation_axes(out.ndim, "embed"))
 
+  @explicit_ok
   def attend(self, h):
     if self.packed is not None:
       return self.packed(h)  # [..., vocab] float32
@@ -358,6 +362,7 @@ class SwiGLU(nnx.Module):
     self.packed_down = nnx.data(DecodeWeight(self.down[...], fmt, logical=("mlp", "embed")))
     self.gate = self.up = self.down = None
 
+  @explicit_ok
   def __call__(self, x):
     x = x.astype(self.dtype)
     hid, out_axes = activation_axes(x.ndim, "mlp"), activation_axes(x.ndim, "embed")

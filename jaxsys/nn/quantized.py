@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsys.nn.explicit import explicit_ok
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_range
 from jaxsys.quant import a2q
 
@@ -164,6 +165,7 @@ class QuantLinear(nnx.Module):
     w = self.kernel[...]
     return self.wq(w.astype(jnp.float32)) if self.wq is not None else w
 
+  @explicit_ok
   def __call__(self, x, *, bias: bool = True):
     if x.ndim < 1 or x.shape[-1] != self.din:
       raise ShapeError(f"x must be [..., {self.din}], got shape {x.shape}")
