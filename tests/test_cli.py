@@ -127,14 +127,17 @@ def test_readme_commands_reach_their_subcommand_untouched(monkeypatch):
   assert {c[1] for c in cmds} >= {"reproduce", "info", "serve", "cluster"}
   seen = []
   fake = types.SimpleNamespace(main=lambda argv: seen.append(argv) or 3)
+  import jaxsys.serving.chat_cli  # noqa: F401  (imported before import_module is patched)
   import jaxsys.serving.cli as serve_cli
+  import jaxsys.serving.finetune_cli as finetune_cli
   import jaxsys.serving.gates_cli as gates_cli
+  parsers = {"serve": serve_cli, "gates": gates_cli, "finetune": finetune_cli}
   monkeypatch.setattr(importlib, "import_module", lambda name: fake)
   for argv in cmds:
-    if argv[1] in ("serve", "cluster", "gates"):
+    if argv[1] in ("serve", "cluster", "gates", "finetune"):
       assert cli.main(argv[1:]) == 3 and seen[-1] == argv[2:]  # the exit code passes through
-      if argv[1] in ("serve", "gates"):
-        (serve_cli if argv[1] == "serve" else gates_cli).build_parser().parse_args(argv[2:])
+      if argv[1] in parsers:
+        parsers[argv[1]].build_parser().parse_args(argv[2:])
     else:
       cli.build_parser().parse_args(argv[1:])
 
