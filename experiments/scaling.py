@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments._cli import reseed
+from experiments._cli import reseed, with_compute_dtype
 from jaxsys.core.results import Row, run_dir, write_result
 
 NAME = "scaling"
@@ -33,8 +33,9 @@ LAYOUTS = (("data=8", {"data": 8}, "explicit"), ("data=4,model=2", {"data": 4, "
            ("data=2,model=4", {"data": 2, "model": 4}, "explicit"), ("data=4,model=2 (Auto)", {"data": 4, "model": 2}, "auto"))
 
 
-def _setup(quick: bool, seed: int):
-  """``(make_model, batches, steps)``: a fresh model per run, the batch of a step, the steps."""
+def _setup(quick: bool, seed: int, dtype: str = "float32"):
+  """``(make_model, batches, steps)``: a fresh model per run (computing in ``dtype``), the batch
+  of a step, the steps."""
   import jax
   from flax import nnx
 
@@ -44,7 +45,7 @@ def _setup(quick: bool, seed: int):
   if quick:
     cfg = M.DecoderConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                           num_heads=8, num_kv_heads=4, max_position_embeddings=64)
-    return (lambda: M.random_model(cfg, seed=reseed(3, seed)),
+    return (lambda: with_compute_dtype(M.random_model(cfg, seed=reseed(3, seed)), dtype),
             lambda step: S.training_batch({"copy": 1.0}, seed=reseed(0, seed), step=step, batch_size=8,
                                           length=32), 6)
   model0, tok = M.load_pretrained("smollm2-135m-instruct")
@@ -53,7 +54,7 @@ def _setup(quick: bool, seed: int):
            for a, b in rng.integers(0, 1000, (64, 2))]
   data = sft.pack([sft.tokenize_chat(tok, c) for c in chats], 128, pad_id=int(tok.pad_token_id or 0))
   gdef, state = nnx.split(model0)
-  return (lambda: nnx.merge(gdef, jax.tree.map(lambda x: x.copy(), state)),
+  return (lambda: with_compute_dtype(nnx.merge(gdef, jax.tree.map(lambda x: x.copy(), state)), dtype),
           sft.batches(data, 8, seed=reseed(1, seed)), 20)
 
 
@@ -113,13 +114,17 @@ def _plot(out, counts, measured):
   plt.close(fig)
 
 
-def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
+def run(quick: bool, out_dir: str, seed: int = 0, mesh: dict | None = None,
+        dtype: str = "float32") -> list[Row]:
+  """``mesh`` (``--mesh data=2,model=4``): compare that one layout (Explicit axes) instead of
+  :data:`LAYOUTS`; ``dtype``: the models' compute dtype (bfloat16 loosens the loss agreement)."""
   from jaxsys.nn.lora import LoRAConfig
   out = run_dir(NAME, out_dir)
-  make_model, batches, steps = _setup(quick, seed)
+  make_model, batches, steps = _setup(quick, seed, dtype)
   rows = []
   ref = _losses(make_model, batches, steps)
-  for label, shape, kind in LAYOUTS:
+  layouts = LAYOUTS if mesh is None else ((",".join(f"{a}={n}" for a, n in mesh.items()), mesh, "explicit"),)
+  for label, shape, kind in layouts:
     got = _losses(make_model, batches, steps, _mesh(shape, kind))
     rel = float(np.max(np.abs(got - ref) / np.abs(ref)))
     rows.append(Row(metric=f"fsdp loss curve vs 1 device, {label}", unit="max relative difference",
@@ -146,7 +151,8 @@ def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
                       "; the 2% goal is SmolLM2's (full mode): rank 16 is a large share of this quick "
                       "model's 128-wide projections" if quick else "")))
   _plot(out, counts, mem)
-  write_result(NAME, rows, config={"quick": quick, "steps": steps, "seed": seed, "devices": DEVICES},
+  write_result(NAME, rows, config={"quick": quick, "steps": steps, "seed": seed, "devices": DEVICES,
+                                   "mesh": mesh, "dtype": dtype},
                quick=quick, out_dir=out_dir, extra={"memory_per_device": dict(zip(counts, mem)),
                                                     "reference_losses": ref.tolist()})
   return rows
