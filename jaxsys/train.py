@@ -75,7 +75,7 @@ from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exp
 from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
 
 __all__ = [
-    "apply_optax", "causal_lm_loss", "init_health", "lower_step", "make_loop_step", "make_optimizer", "place_params",
+    "apply_optax", "causal_lm_loss", "init_health", "lower_step", "make_loop_step", "make_optimizer", "place_batch", "place_params",
     "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "train", "TrainConfig",
     "TrainResult",
 ]
@@ -291,9 +291,12 @@ def place_params(pure, specs, mesh):
       lambda path, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, table[path])), pure)
 
 
-def _place_batch(batch, mesh):
+def place_batch(batch, mesh):
+  """Each host array of ``batch`` on the device(s): split over the "batch" rule's mesh axes, or
+  on the default device without a mesh (``device_put``, not ``jnp.asarray``: the latter compiles
+  a staging copy for every new shape)."""
   if mesh is None:
-    return jax.tree.map(jnp.asarray, batch)
+    return jax.tree.map(jax.device_put, batch)
   return jax.tree.map(
       lambda x: jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1), mesh)),
       batch)
@@ -410,7 +413,7 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
   try:
     with ctx:
       for step in range(start, end):
-        batch = _place_batch(batches(step), mesh)
+        batch = place_batch(batches(step), mesh)
         params, opt_state, metrics, health = step_fn(params, opt_state, rest, batch, health)
         done = step + 1
         log_now = done % cfg.log_every == 0 or done == end
@@ -486,7 +489,7 @@ def lower_step(model, batch: dict, cfg: TrainConfig, *, loss_fn=causal_lm_loss, 
   graphdef, params, rest, template, opt_state = _setup(model, cfg, mesh)
   step = _cached_step(graphdef, template, cfg, loss_fn)
   with jax.set_mesh(mesh) if mesh is not None else _null():
-    return step.lower(params, opt_state, rest, _place_batch(batch, mesh), init_health(0))
+    return step.lower(params, opt_state, rest, place_batch(batch, mesh), init_health(0))
 
 
 class _null:

@@ -93,7 +93,10 @@ def explicit_ok(method):
   Outputs are sharded like the first array argument's leading axis."""
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
-    mesh = explicit_mesh(args, kwargs, nnx.state(self, nnx.Param))
+    # the arguments (and the context) first: the parameter walk only when they say nothing
+    mesh = explicit_mesh(args, kwargs)
+    if mesh is None:
+      mesh = explicit_mesh(nnx.state(self, nnx.Param))
     if mesh is None:
       return method(self, *args, **kwargs)
     leaves, treedef = jax.tree.flatten((args, kwargs))

@@ -74,8 +74,8 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
 from jaxsys.models.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
-from jaxsys.core.mesh import RULE_SETS, auto_mesh, logical_sharding
-from jaxsys.train import apply_optax, place_params
+from jaxsys.core.mesh import RULE_SETS, auto_mesh
+from jaxsys.train import apply_optax, place_batch, place_params
 
 __all__ = [
     "ADV_NORMS", "build_batch", "group_advantages", "grpo_loss", "GRPOConfig", "GRPOTrainer",
@@ -335,10 +335,8 @@ class GRPOTrainer:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _put(self, x):
-    """A host minibatch array, split over "data" on the trainer's mesh."""
-    if self.mesh is None:
-      return jax.device_put(x)
-    return jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1), self.mesh))
+    """A host minibatch array, split over "data" on the trainer's mesh (as ``train`` places one)."""
+    return place_batch(x, self.mesh)
 
   @property
   def policy(self):

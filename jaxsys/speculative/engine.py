@@ -202,10 +202,15 @@ class RolloutEngine:
     tp_mesh(model, self.mesh, "the rollout engine")
     return nnx.split(model)
 
+  @property
+  def _rep(self):
+    """Replicated over the mesh (None without one: the default device)."""
+    return None if self.mesh is None else NamedSharding(self.mesh, jax.P())
+
   def _replicated(self, tree):
     if self.mesh is None or tree is None:
       return tree
-    return jax.device_put(tree, NamedSharding(self.mesh, jax.P()))
+    return jax.device_put(tree, self._rep)
 
   def _put(self, x):
     """A host array for an executable: replicated over the mesh, or on the default device."""
@@ -217,8 +222,8 @@ class RolloutEngine:
     if self.mesh is None:
       return None
     st = self._abstract_state(b)
-    rep_, kv = NamedSharding(self.mesh, jax.P()), NamedSharding(self.mesh, kv_spec(self.mesh))
-    out = jax.tree.map(lambda _: rep_, st)
+    kv = NamedSharding(self.mesh, kv_spec(self.mesh))
+    out = jax.tree.map(lambda _: self._rep, st)
     cache = dataclasses.replace(out.cache, k=tuple(kv for _ in st.cache.k), v=tuple(kv for _ in st.cache.v))
     return out.replace(cache=cache)
 
@@ -266,9 +271,8 @@ class RolloutEngine:
                                        jax.random.key(seed))
       return jax.jit(fn, out_shardings=self._shardings(b)).lower(jnp.uint32(0)).compile()
     if kind == "prefill":
-      rep_ = None if self.mesh is None else NamedSharding(self.mesh, jax.P())
-      prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32, sharding=rep_)
-      lengths = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep_)
+      prompts = jax.ShapeDtypeStruct((b, c.max_prompt), jnp.int32, sharding=self._rep)
+      lengths = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._rep)
       return dec.jit_prefill(dcfg).lower(self.gdef, self.tstate, st, prompts, lengths).compile()
     if kind == "vloop":
       return fused.jit_vanilla_loop(dcfg).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
@@ -279,7 +283,7 @@ class RolloutEngine:
       return fused.jit_lookup_loop(dcfg, strategy).lower(self.gdef, self.tstate, st, jnp.int32(1)).compile()
     if kind == "setref":  # new reference tokens for every row (lookup drafting)
       ref = jax.ShapeDtypeStruct((b, dcfg.ref_len), jnp.int32,
-                                 sharding=None if self.mesh is None else NamedSharding(self.mesh, jax.P()))
+                                 sharding=self._rep)
       return jax.jit(lambda st, ref: st.replace(ref=ref), donate_argnums=0,
                      out_shardings=self._shardings(b)).lower(st, ref).compile()
     if kind == "pad":  # marks padding rows done (an eager ``done | mask`` would compile mid-rollout)
@@ -287,7 +291,7 @@ class RolloutEngine:
     if kind.startswith("take"):  # shrink from bucket ``b`` to ``new_b``: a pool entry per pair
       new_b = int(kind[4:])
       idx = jax.ShapeDtypeStruct((new_b,), jnp.int32,
-                                 sharding=None if self.mesh is None else NamedSharding(self.mesh, jax.P()))
+                                 sharding=self._rep)
       return jax.jit(_take_rows, out_shardings=self._shardings(new_b)).lower(st, idx, jnp.int32(0)).compile()
     raise ValueError(f"unknown executable kind {kind!r}")
 
