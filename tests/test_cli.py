@@ -151,7 +151,6 @@ def test_info_shows_the_version(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")
 def test_readme_serve_section_runs(tmp_path):
   """The README's "Serve a model" commands and client snippet, as written (a free port instead of
   8000, and a smaller page pool to bound memory), against the real SmolLM2."""

@@ -2,9 +2,7 @@
 named-model plumbing (lookup, fetch, command line).
 
 The real model is loaded once per test process (the ``smollm2`` session fixture of
-tests/conftest.py); its tests share the xdist group
-"smollm2" so that, under ``pytest -n ... --dist loadgroup``, one worker holds it. Without the
-file they skip with the fetch command; CI fetches it first.
+tests/conftest.py). Without the file they skip with the fetch command; CI fetches it first.
 """
 
 import contextlib
@@ -25,7 +23,6 @@ from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models import pretrained as P
 
 NAME = "smollm2-135m-instruct"
-REAL = pytest.mark.xdist_group("smollm2")
 
 # Plain English prose (written for this test), longer than 256 tokens.
 TEXT = (
@@ -83,7 +80,6 @@ def smol(smollm2):
                                transformers=transformers, ids=ids, ours=ours, ref=ref)
 
 
-@REAL
 def test_config_is_smollm2(smol):
   c = smol.model.config
   assert (c.arch, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
@@ -93,14 +89,12 @@ def test_config_is_smollm2(smol):
   assert c.num_params() == sum(p.numel() for p in smol.hf.parameters()) == 134_515_008
 
 
-@REAL
 def test_logits_match_transformers(smol):
   assert smol.ours.shape == smol.ref.shape == (1, 256, 49152)
   assert np.abs(smol.ours - smol.ref).max() <= 2e-3
   np.testing.assert_array_equal(smol.ours.argmax(-1), smol.ref.argmax(-1))
 
 
-@REAL
 def test_greedy_chat_matches_transformers(smol):
   from jaxsys.serving import generate
   torch, tok, eos = smol.torch, smol.tok, smol.model.config.eos_token_id
@@ -120,7 +114,6 @@ def test_greedy_chat_matches_transformers(smol):
   assert tok.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
 
 
-@REAL
 def test_text_in_text_out(smol, monkeypatch, capsys):
   """Chats and strings in, text out (same shapes as the parity test above: no new compile), stop
   strings, streaming from the compiled loop, and the generate / chat commands."""
@@ -160,7 +153,6 @@ def test_text_in_text_out(smol, monkeypatch, capsys):
   assert capsys.readouterr().out.strip() == "The capital of France is Paris."
 
 
-@REAL
 def test_saved_gguf_reloads_in_transformers(smol, tmp_path):
   path = M.save_gguf(smol.model, tmp_path / "smollm2-f32.gguf", dtype="f32", tokenizer=smol.path)
   with _one_torch_thread(smol.torch):
@@ -288,7 +280,6 @@ HELD_CHAT = [{"role": "system", "content": "You are terse."},
              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
 
 
-@REAL
 def test_tokenizer_matches_transformers(smol, tmp_path):
   """The torch-free tokenizer (built from the GGUF metadata, read back from its cache) gives
   transformers' ids and text on the held set, chat template with and without a system turn; its
@@ -321,7 +312,6 @@ def test_tokenizer_matches_transformers(smol, tmp_path):
   assert gguf._read_cached_tokenizer(tmp_path / "missing") is None
 
 
-@REAL
 def test_hf_export_carries_its_tokenizer(smol, tmp_path):
   """save_pretrained(..., tokenizer=) writes tokenizer.json, tokenizer_config.json (with the chat
   template) and special_tokens_map.json beside the weights: AutoTokenizer and

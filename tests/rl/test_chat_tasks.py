@@ -127,7 +127,6 @@ def smol_tok(smollm2_tokenizer):
   return smollm2_tokenizer
 
 
-@pytest.mark.xdist_group("smollm2")
 def test_smollm2_chat_template_and_reward(smol_tok):
   tasks = ct.ChatTaskSampler(smol_tok, seed=0)
   exs = tasks.sample(12)

@@ -68,9 +68,17 @@ def test_pool_memory_bound_and_errors():
 
 
 def test_persistent_cache_option(tmp_path):
-  old = jax.config.jax_compilation_cache_dir
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
   try:
     enable_persistent_cache(tmp_path / "cache")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(3.0)).block_until_ready()
+    assert any((tmp_path / "cache").iterdir())  # every executable is stored, however small
   finally:
-    jax.config.update("jax_compilation_cache_dir", old)
+    # The rest of this worker's tests must not write into (or read from) a temporary directory.
+    for n, v in old.items():
+      jax.config.update(n, v)
+    cc.reset_cache()

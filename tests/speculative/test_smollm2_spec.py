@@ -47,7 +47,6 @@ def smol_spec(smollm2):
   return engine, prompts, res
 
 
-@pytest.mark.xdist_group("smollm2")
 def test_smollm2_greedy_speculative_equals_vanilla(smol_spec):
   engine, prompts, vanilla = smol_spec
   ref = vanilla.tokens
