@@ -38,7 +38,7 @@ from jax.experimental import io_callback
 from jaxsys.core.bench import count_trace
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.decoding.cache import KVCache, Prefill
-from jaxsys.decoding.sampling import sample_logits
+from jaxsys.decoding.sampling import penalize, sample_logits
 
 __all__ = [
     "bucket", "bucket_of", "check_fits", "check_prompts", "context_length", "decode_loop",
@@ -235,24 +235,27 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
   """Samples up to ``num_steps`` (static bucket) tokens per row, stopping at ``params['max_new']``
   or when every row hit one of ``params['stops']``; one :func:`step` per token.
 
-  ``params``: traced ``seed``, ``temperature``, ``top_p``, ``min_p``, ``max_new`` and ``stops
-  int32[n]`` (``jaxsys.decoding.sampling.loop_params`` builds them with the static mode).
+  ``params``: traced ``seed``, ``temperature``, ``top_p``, ``min_p``, ``max_new``, ``stops
+  int32[n]`` and, with penalties or bias, ``pen`` (``jaxsys.decoding.sampling.loop_params``
+  builds them with the static mode; the penalties' token history is carried in the loop).
   Returns ``(tokens int32[b, num_steps], logprobs f32[b, num_steps], hidden or None,
   counts int32[b], finished bool[b], cache)``; ``logprobs`` are the model's (temperature 1, before
-  top-k/top-p) log-probabilities of the chosen tokens."""
+  penalties and top-k/top-p) log-probabilities of the chosen tokens."""
   b = logits0.shape[0]
   key = jax.random.key(params["seed"])
   stops = params["stops"]
 
-  def pick(logits, i):
-    tok = sample_logits(jax.random.fold_in(key, i), logits, greedy=greedy,
+  def pick(logits, i, pen):
+    x = logits if pen is None else penalize(logits, pen)
+    tok = sample_logits(jax.random.fold_in(key, i), x, greedy=greedy,
                         temperature=params["temperature"], top_k=top_k,
                         top_p=params["top_p"] if use_top_p else None,
                         min_p=params["min_p"] if use_min_p else None)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
     return tok, logp
 
-  tok0, logp0 = pick(logits0, 0)
+  pen = params.get("pen")
+  tok0, logp0 = pick(logits0, 0, pen)
   if stream:
     _stream(jnp.int32(0), tok0)
   out_tok = jnp.zeros((b, num_steps), jnp.int32).at[:, 0].set(tok0)
@@ -262,11 +265,15 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
     out_h = jnp.zeros((b, num_steps, hidden0.shape[-1]), hidden0.dtype).at[:, 0].set(hidden0)
   done = jnp.isin(tok0, stops)
   n_done = jnp.where(done, 1, num_steps + 1)  # step count where each row stopped
+  if pen is not None:
+    pen = pen.record(tok0, jnp.ones((b,), bool))
 
   def body(c):
-    i, cache, tok, done, n_done, out_tok, out_logp, out_h = c
+    i, cache, tok, done, n_done, out_tok, out_logp, out_h, pen = c
     logits, h, cache = step(model, cache, tok[:, None])
-    nxt, logp = pick(logits[:, 0], i)
+    nxt, logp = pick(logits[:, 0], i, pen)
+    if pen is not None:
+      pen = pen.record(nxt, ~done)
     if stream:  # rows already done still step; the host keeps each row to its count
       _stream(i, nxt)
     out_tok = out_tok.at[:, i].set(nxt)
@@ -275,12 +282,12 @@ def decode_loop(model, cache, logits0, hidden0, params, *, greedy: bool, top_k: 
       out_h = out_h.at[:, i].set(h[:, 0])
     stop = jnp.isin(nxt, stops) & ~done
     n_done = jnp.where(stop, i + 1, n_done)
-    return i + 1, cache, nxt, done | stop, n_done, out_tok, out_logp, out_h
+    return i + 1, cache, nxt, done | stop, n_done, out_tok, out_logp, out_h, pen
 
-  carry = (jnp.int32(1), cache, tok0, done, n_done, out_tok, out_logp, out_h)
+  carry = (jnp.int32(1), cache, tok0, done, n_done, out_tok, out_logp, out_h, pen)
   carry, _ = while_running(body, carry, running=lambda c: jnp.sum(~c[3]),
                            max_steps=params["max_new"] - 1)
-  i, cache, _, _, n_done, out_tok, out_logp, out_h = carry
+  i, cache, _, _, n_done, out_tok, out_logp, out_h, _ = carry
   # The cache goes back out so its donated buffer is reused for the loop carry.
   return out_tok, out_logp, out_h, jnp.minimum(n_done, i), n_done <= num_steps, cache
 
@@ -310,7 +317,7 @@ def jit_prefill_embeds(graphdef, state, embeds, lengths, cache, group, with_hidd
 def jit_decode_loop(graphdef, state, cache, logits0, hidden0, params, mode, num_steps, with_hidden,
                     stream=False):
   count_trace("decoding.decode")
-  greedy, top_k, use_top_p, use_min_p = mode  # sampling.loop_params
+  greedy, top_k, use_top_p, use_min_p, _ = mode  # sampling.loop_params (params carry "pen")
   return decode_loop(nnx.merge(graphdef, state), cache, logits0, hidden0, params, greedy=greedy,
                      top_k=top_k, use_top_p=use_top_p, num_steps=num_steps, with_hidden=with_hidden,
                      stream=stream, use_min_p=use_min_p)

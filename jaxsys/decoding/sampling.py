@@ -22,10 +22,11 @@ Penalties and bias (OpenAI's ``frequency_penalty`` / ``presence_penalty`` / ``lo
 vLLM's ``repetition_penalty``) change the logits before the filter, per row, in :func:`penalize`:
 :class:`Penalties` carries them as traced ``[batch]`` / ``[batch, vocab]`` arrays, applied to the
 logits that :func:`sample_rows` (and a greedy argmax) then draw from; a batch where no row has any
-passes no ``Penalties`` and its program has no trace of them. Paths without a token history (the
-on-device loop of ``generate`` and rollouts, :func:`sample`, :func:`target_probs`) refuse penalized
-params with a ``ConfigError`` rather than ignore them. The log-probabilities
-a server reports stay the model's own (before penalties, temperature and filters).
+passes no ``Penalties`` and its program has no trace of them. The on-device loop of ``generate``
+carries them in its state (:meth:`Penalties.record` adds each step's token); paths without a token
+history (:func:`sample`, :func:`target_probs`) refuse penalized params with a ``ConfigError``
+rather than ignore them. The log-probabilities a server or ``generate`` reports stay the model's
+own (before penalties, temperature and filters).
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ class SamplingParams:
     return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
                 or self.logit_bias)
 
+  def without_penalties(self) -> "SamplingParams":
+    """These parameters with penalties and bias off: for a path that applies :func:`penalize`
+    itself (with its own token history) and then filters and draws with the rest."""
+    return dataclasses.replace(self, frequency_penalty=0.0, presence_penalty=0.0,
+                               repetition_penalty=1.0, logit_bias=())
+
   def check_vocab(self, vocab: int):
     if self.top_k > vocab:
       raise ConfigError(f"top_k={self.top_k} must be <= vocab size {vocab}")
@@ -163,6 +170,34 @@ class Penalties(NamedTuple):
         bias[i, t] = b
       scal[:, i] = (p.frequency_penalty, p.presence_penalty, p.repetition_penalty)
     return Penalties(counts, seen, scal[0], scal[1], scal[2], bias)
+
+  @staticmethod
+  def init(params: "SamplingParams", batch: int, vocab: int) -> "Penalties":
+    """``batch`` rows that all use ``params``, with no history yet (built inside a program)."""
+    bias = jnp.zeros((vocab,), jnp.float32)
+    if params.logit_bias:
+      ids, vals = zip(*params.logit_bias)
+      bias = bias.at[jnp.asarray(ids)].set(jnp.asarray(vals, jnp.float32))
+    full = lambda v: jnp.full((batch,), v, jnp.float32)  # noqa: E731
+    return Penalties(jnp.zeros((batch, vocab), jnp.float32), jnp.zeros((batch, vocab), bool),
+                     full(params.frequency_penalty), full(params.presence_penalty),
+                     full(params.repetition_penalty), jnp.broadcast_to(bias, (batch, vocab)))
+
+  def record_prompts(self, prompts, lengths) -> "Penalties":
+    """Marks each row's prompt tokens seen (``prompts int32[b, Lp]`` right-padded, true
+    ``lengths int32[b]``): the repetition penalty covers the prompt, as in HF and vLLM."""
+    b, lp = prompts.shape
+    valid = jnp.arange(lp)[None] < lengths[:, None]
+    cols = jnp.where(valid, prompts, self.seen.shape[1])  # padding -> out of range, dropped
+    return self._replace(seen=self.seen.at[jnp.arange(b)[:, None], cols].set(True, mode="drop"))
+
+  def record(self, tokens, live) -> "Penalties":
+    """The state after row ``i`` generated ``tokens[i]`` (``int32[b]``), for the rows where ``live
+    bool[b]`` holds: an on-device loop keeps its history with this instead of the host."""
+    rows = jnp.arange(tokens.shape[0])
+    counts = self.counts.at[rows, tokens].add(live.astype(self.counts.dtype))
+    seen = self.seen.at[rows, tokens].set(self.seen[rows, tokens] | live)
+    return self._replace(counts=counts, seen=seen)
 
 
 def penalize(logits, pen: Penalties):
@@ -265,17 +300,24 @@ def sample_logits(key, logits, *, greedy: bool, temperature=1.0, top_k: int = 0,
   return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
 
 
-def loop_params(params: SamplingParams, *, max_new: int, stops) -> tuple[tuple, dict]:
+def loop_params(params: SamplingParams, *, max_new: int, stops, prompts=None, vocab: int = 0,
+                batch: int = 0) -> tuple[tuple, dict]:
   """What the on-device decode loop (``jaxsys.decoding.core.decode_loop``) takes for
-  ``params``: ``(mode, traced)`` with ``mode = (greedy, top_k, use_top_p, use_min_p)`` static and
-  ``traced`` the seed, temperature, top_p, min_p, ``max_new`` and ``stops int32[n]`` arrays. The
-  one place these are built: every caller of the loop (``generate``, video GRPO) samples from
-  :func:`target_probs`' distribution, min-p included."""
-  _no_penalties(params, "the on-device decode loop (generate, rollouts)")
-  mode = (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0)
+  ``params``: ``(mode, traced)`` with ``mode = (greedy, top_k, use_top_p, use_min_p, penalized)``
+  static and ``traced`` the seed, temperature, top_p, min_p, ``max_new`` and ``stops int32[n]``
+  arrays, plus ``pen`` (:class:`Penalties` of ``batch`` rows, from the token-id ``prompts``) when
+  ``params`` has penalties or bias. The one place these are built: every caller of the loop
+  (``generate``, video GRPO) samples from :func:`target_probs`' distribution, min-p included."""
+  mode = (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0, params.penalized)
   traced = {"seed": jnp.uint32(params.seed), "temperature": jnp.float32(max(params.temperature, 1e-6)),
             "top_p": jnp.float32(params.top_p), "min_p": jnp.float32(params.min_p),
             "max_new": jnp.int32(max_new), "stops": jnp.asarray(tuple(stops) or (-1,), jnp.int32)}
+  if params.penalized:
+    if prompts is None or vocab < 1 or batch < len(prompts):
+      raise ConfigError("penalties and logit_bias need the prompts, the vocab size and the batch: "
+                        "this caller of the decode loop does not pass them")
+    pen = Penalties.rows([params] * len(prompts), [()] * len(prompts), prompts, vocab, batch)
+    traced["pen"] = Penalties(*(jnp.asarray(a) for a in pen))
   return mode, traced
 
 

@@ -119,7 +119,8 @@ def generate(model, prompts, *, max_new_tokens: int, sampling: SamplingParams | 
                                         cache, return_hidden)
   logits0.block_until_ready()
   t1 = time.perf_counter()
-  mode, params = loop_params(s, max_new=max_new_tokens, stops=stops)
+  mode, params = loop_params(s, max_new=max_new_tokens, stops=stops, prompts=arrs, vocab=cfg.vocab_size,
+                             batch=b)
   with core.streaming(on_token):
     out_tok, out_logp, out_h, counts, finished, _ = core.jit_decode_loop(
         graphdef, state, cache, logits0, h0, params, mode, n_steps, return_hidden,

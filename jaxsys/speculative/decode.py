@@ -12,6 +12,10 @@ and the emitted tokens. Four jittable steps act on it:
 * ``draft`` (per strategy) -> a ``Tree`` per row; ``verify`` (per verify_tokens): one target
   forward over the tree, lossless acceptance, commit of the accepted path, new root = bonus.
 
+Penalties and logit bias (``SamplingParams``' frequency / presence / repetition / ``logit_bias``)
+keep their token history in ``DecodeState.pen``; verification penalizes each tree node with the
+history plus the drafted tokens on its path, so acceptance is lossless against penalized vanilla.
+
 Each row advances by its own accepted length; finished rows are frozen. All shapes are static
 (batch bucket, cache length, tree size), so each step compiles once per bucket. The steps run
 only inside the on-device loops of ``speculative.fused`` (the rollout engine's one decode path).
@@ -58,6 +62,7 @@ class DecodeState:
   done: Any             # bool [b]
   key: Any
   ref: Any              # int32 [b, R] reference tokens for lookup drafting (-1 = none / separator)
+  pen: Any = None       # smp.Penalties [b, ...]: the penalties' token history (penalized sampling only)
 
   def replace(self, **kw) -> "DecodeState":
     return dataclasses.replace(self, **kw)
@@ -98,7 +103,41 @@ def init_state(model, drafter_cfg, prompts, lengths, cfg: DecodeConfig, key) -> 
       pend_n=jnp.zeros((b,), jnp.int32), seq=jnp.zeros((b, cfg.max_len), jnp.int32),
       feats=jnp.zeros((b, cfg.max_len, c.hidden_size), dt),
       out=jnp.zeros((b, cfg.max_new), jnp.int32), n_out=jnp.zeros((b,), jnp.int32),
-      done=jnp.zeros((b,), bool), key=key, ref=jnp.full((b, cfg.ref_len), -1, jnp.int32))
+      done=jnp.zeros((b,), bool), key=key, ref=jnp.full((b, cfg.ref_len), -1, jnp.int32),
+      pen=smp.Penalties.init(cfg.sampling, b, c.vocab_size) if cfg.sampling.penalized else None)
+
+
+def _sample(key, logits, state: DecodeState, cfg: DecodeConfig):
+  """The next token of every row from ``logits [b, vocab]``: penalties and bias first (with the
+  row's history), then the one sampler's filter and draw."""
+  if state.pen is not None:
+    logits = smp.penalize(logits, state.pen)
+  return smp.sample(key, logits, cfg.sampling.without_penalties())
+
+
+def _record(state: DecodeState, tokens, live) -> DecodeState:
+  """Adds ``tokens int32[b, W]`` (where ``live bool[b, W]``) to the penalties' history."""
+  if state.pen is None:
+    return state
+  pen = state.pen
+  for j in range(tokens.shape[1]):
+    pen = pen.record(tokens[:, j], live[:, j])
+  return state.replace(pen=pen)
+
+
+def _tree_probs(logits, trees: tree_lib.Tree, state: DecodeState, cfg: DecodeConfig):
+  """The target distribution ``p [b, T, vocab]`` at every tree node. With penalties, node ``t``'s
+  history is the row's plus the drafted tokens on its path (its ancestors and itself, the root
+  excluded: it is already recorded), so acceptance stays lossless against penalized vanilla."""
+  if state.pen is not None:
+    t, vocab = trees.tokens.shape[1], logits.shape[-1]
+    drafted = jax.nn.one_hot(trees.tokens, vocab) * (jnp.arange(t) > 0)[None, :, None]  # [b, T, V]
+    extra = jnp.einsum("bts,bsv->btv", trees.vis.astype(jnp.float32), drafted)          # [b, T, V]
+    p = state.pen
+    node = smp.Penalties(p.counts[:, None] + extra, p.seen[:, None] | (extra > 0), p.frequency[:, None],
+                         p.presence[:, None], p.repetition[:, None], p.bias[:, None])
+    logits = smp.penalize(logits, node)
+  return smp.target_probs(logits, cfg.sampling.without_penalties())
 
 
 def prefill(model, state: DecodeState, prompts, lengths, cfg: DecodeConfig) -> DecodeState:
@@ -110,7 +149,10 @@ def prefill(model, state: DecodeState, prompts, lengths, cfg: DecodeConfig) -> D
   h_last = h[jnp.arange(b), lengths - 1]  # [b, embed]
   logits = model.logits(h_last[:, None])[:, 0]
   key, sub = jax.random.split(state.key)
-  root = smp.sample(sub, logits, cfg.sampling)
+  if state.pen is not None:
+    state = state.replace(pen=state.pen.record_prompts(prompts, lengths))
+  root = _sample(sub, logits, state, cfg)
+  state = _record(state, root[:, None], jnp.ones((b, 1), bool))
   seq = state.seq.at[:, :lp].set(prompts)
   seq = seq.at[jnp.arange(b), lengths].set(root)
   feats = state.feats.at[:, :lp].set(h.astype(state.feats.dtype))
@@ -125,8 +167,9 @@ def vanilla_step(model, state: DecodeState, cfg: DecodeConfig) -> DecodeState:
   vis = jnp.ones((b, 1, 1), bool)
   logits, h, cache = fwd.target_tree_forward(model, state.cache, state.root[:, None], L[:, None], vis)
   key, sub = jax.random.split(state.key)
-  nxt = smp.sample(sub, logits[:, 0], cfg.sampling)
+  nxt = _sample(sub, logits[:, 0], state, cfg)
   active = ~state.done
+  state = _record(state, nxt[:, None], active[:, None])
   # The root's row is already at L: keeping it is a length update. ``fwd.commit``'s row move
   # (a scatter) cost ~2 ms of a ~20 ms SmolLM2 step at batch 1 with a 412-row cache on CPU.
   cache = cache.replace(lengths=L + active.astype(L.dtype))
@@ -232,7 +275,7 @@ def verify(model, state: DecodeState, trees: tree_lib.Tree, cfg: DecodeConfig):
   L = state.cache.lengths
   positions = tree_lib.tree_positions(trees.depth, L)
   logits, h, cache = fwd.target_tree_forward(model, state.cache, trees.tokens, positions, trees.vis)
-  p = smp.target_probs(logits, cfg.sampling)  # [b, T, vocab]
+  p = _tree_probs(logits, trees, state, cfg)  # [b, T, vocab]
   key, sub = jax.random.split(state.key)
   acc = acc_lib.accept_batch(sub, trees, p, max_depth=min(t - 1, cfg.max_depth),
                              max_children=min(t - 1, cfg.max_topk))
@@ -256,6 +299,7 @@ def verify(model, state: DecodeState, trees: tree_lib.Tree, cfg: DecodeConfig):
   new = state.replace(cache=cache, root=jnp.where(active, acc.bonus, state.root), seq=seq,
                       feats=feats, key=key, pend_tok=pend_tok, pend_feat=pend_feat.astype(state.pend_feat.dtype),
                       pend_n=jnp.where(active, n_acc + 1, state.pend_n))
+  new = _record(new, emitted, keep)
   new = _emit(new, emitted, jnp.where(active, n_acc + 1, 0), cfg)
   return new, jnp.where(active, n_acc, -1)
 

@@ -64,3 +64,34 @@ def test_min_p_one_is_greedy_on_every_path(model):
   assert generate(model, prompts, max_new_tokens=6, sampling=minp, stop_tokens=()).tokens == greedy
   eng = ServingEngine(model, ServingConfig(max_batch=2, num_pages=16, max_seq_len=32))
   assert eng.generate(prompts, 6, sampling=minp, stop_tokens=()).tokens == greedy
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(0.0, frequency_penalty=1.5, presence_penalty=0.5),
+    SamplingParams(0.0, repetition_penalty=3.0),
+    SamplingParams(0.0, logit_bias={7: 4.0, 2: -100.0}, frequency_penalty=0.3)])
+def test_generate_applies_penalties_like_the_engine(model, params):
+  """``generate``'s on-device loop carries the penalties' token history itself; greedy, its tokens
+  are the serving engine's (which rebuilds the history on the host every step), and they differ
+  from plain greedy (the penalties change the output)."""
+  prompts = [PROMPT, [1, 2, 3, 1, 2, 3]]
+  plain = generate(model, prompts, max_new_tokens=12, stop_tokens=()).tokens
+  ours = generate(model, prompts, max_new_tokens=12, sampling=params, stop_tokens=())
+  eng = ServingEngine(model, ServingConfig(max_batch=2, num_pages=16, max_seq_len=32))
+  assert ours.tokens == eng.generate(prompts, 12, sampling=params, stop_tokens=()).tokens
+  assert ours.tokens != plain
+  # reported log-probabilities stay the model's own (before penalties), as the server's
+  logits = np.asarray(model(jnp.asarray([prompts[0]]))[0, -1], np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+  np.testing.assert_allclose(ours.logprobs[0][0], logp[ours.tokens[0][0]], atol=1e-4)
+
+
+def test_sampled_generate_with_bias(model):
+  """Sampled: a +100 bias forces its token on every row and step; -100 on the greedy token bans it."""
+  forced = generate(model, [PROMPT] * 3, max_new_tokens=5, stop_tokens=(),
+                    sampling=SamplingParams(1.0, logit_bias={11: 100.0}, seed=3)).tokens
+  assert forced == [[11] * 5] * 3
+  top = generate(model, [PROMPT], max_new_tokens=1, stop_tokens=()).tokens[0][0]
+  banned = generate(model, [PROMPT] * 64, max_new_tokens=1, stop_tokens=(),
+                    sampling=SamplingParams(1.0, logit_bias={top: -100.0}, seed=5)).tokens
+  assert top not in {t[0] for t in banned}

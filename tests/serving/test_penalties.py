@@ -50,8 +50,12 @@ def test_validation_names_the_field_and_history_free_paths_refuse():
   with pytest.raises(ConfigError, match="token ids >= vocab size 3"):
     p.check_vocab(3)
   assert RequestParams(logit_bias={"3": 1}).logit_bias == ((3, 1.0),)
-  # generate's on-device loop, rollouts and the scalar samplers have no token history: refused, not ignored
-  for call in (lambda: loop_params(SamplingParams(presence_penalty=1.0), max_new=4, stops=()),
-               lambda: sample(None, np.zeros((1, 4), np.float32), SamplingParams(logit_bias={1: 5}))):
-    with pytest.raises(ConfigError, match="penalties or logit_bias"):
-      call()
+  # the scalar samplers have no token history: refused, not ignored; the on-device loop needs the
+  # prompts to build one
+  with pytest.raises(ConfigError, match="penalties or logit_bias"):
+    sample(None, np.zeros((1, 4), np.float32), SamplingParams(logit_bias={1: 5}))
+  with pytest.raises(ConfigError, match="need the prompts"):
+    loop_params(SamplingParams(presence_penalty=1.0), max_new=4, stops=())
+  mode, traced = loop_params(SamplingParams(presence_penalty=1.0), max_new=4, stops=(), prompts=[[1, 2]],
+                             vocab=5, batch=2)
+  assert mode[-1] and traced["pen"].counts.shape == (2, 5) and float(traced["pen"].presence[1]) == 0.0
