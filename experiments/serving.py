@@ -31,6 +31,11 @@ after a clean run of the same well-formed load without the abusive requests (oth
 same lengths, so the prefix cache favours neither). Goals: every well-formed request completes, their p99 latency
 within 1.5x of the clean run's, 0 pages leaked, 0 engine restarts or 5xx.
 
+Part ``structured`` (experiments/_serving_structured.py): the same burst of requests with and
+without a JSON-schema constraint (vLLM's ``guided_json``; llguidance's token mask in the one
+sampler), each producing the same number of tokens. Goal: structured requests/s >= 0.8x
+unconstrained; llguidance's mask cost per token is reported beside it.
+
 ``run(quick, out_dir, parts=None, seed=0)``: ``--seed S`` draws other prompts, Poisson arrival
 times and (quick) random weights (seed 0: the default table); SmolLM2 is the fixed checkpoint.
 """
@@ -152,13 +157,14 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
   return proc
 
 
-PARTS = ("rates", "long", "soak")
+PARTS = ("rates", "long", "soak", "structured")
 FACTORS = (0.5, 1.0, 2.0)  # arrival rates, as multiples of what one request at a time sustains
 
 
 def run(quick: bool, out_dir, parts=None, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """``parts``: ``rates`` (ragged prompts at three rates), ``long`` (8K-token prompts: dense vs
-  LServe vs llama.cpp), ``soak`` (64 concurrent clients, 20% abusive); a subset is written as ``serving_<parts>``. ``seed``: the run's ``--seed``
+  LServe vs llama.cpp), ``soak`` (64 concurrent clients, 20% abusive), ``structured``
+  (guided_json vs unconstrained, experiments/_serving_structured.py); a subset is written as ``serving_<parts>``. ``seed``: the run's ``--seed``
   (prompts, arrival times, the quick model's weights), passed to each part. ``dtype``: the served
   model's compute dtype (``--dtype``; llama.cpp's peer stays F32)."""
   parts = tuple(parts or PARTS)
@@ -177,6 +183,9 @@ def run(quick: bool, out_dir, parts=None, seed: int = 0, dtype: str = "float32")
     rows += _long(quick, model, tok, model_name, config, results, seed)
   if "soak" in parts:
     rows += _soak(quick, model, tok, model_name, config, seed)
+  if "structured" in parts:
+    from experiments._serving_structured import structured
+    rows += structured(quick, config, seed)
   config["load_average_end"] = round(os.getloadavg()[0], 2)
   write_result(name, rows, config=config, quick=quick, out_dir=out_dir,
                extra={"results": {f"{k[0]} @ {k[1]}": v for k, v in results.items()}})

@@ -89,7 +89,7 @@ def test_lserve_parts_run_alone_and_name_their_result(tmp_path):
 
 def test_serving_parts_are_checked(tmp_path):
   from experiments import serving
-  assert serving.PARTS == ("rates", "long", "soak")
+  assert serving.PARTS == ("rates", "long", "soak", "structured")
   with pytest.raises(ValueError, match="must be among"):
     serving.run(True, str(tmp_path), parts=("nope",))
 

@@ -43,7 +43,7 @@ from jaxsys.core.errors import ConfigError
 
 __all__ = [
     "filtered_logits", "GREEDY", "Penalties", "penalize", "sample", "sample_logits", "sample_probs", "sample_rows",
-    "SamplingParams", "target_probs", "token_logprobs",
+    "SamplingParams", "target_probs", "token_logprobs", "unpack_allowed",
 ]
 
 
@@ -211,6 +211,13 @@ def penalize(logits, pen: Penalties):
   counts = jnp.asarray(pen.counts, jnp.float32)
   x = x - counts * col(pen.frequency) - (counts > 0) * col(pen.presence)
   return x + pen.bias
+
+
+def unpack_allowed(bits, vocab: int):
+  """Grammar masks packed 32 tokens to a word (``uint32[b, ceil(vocab / 32)]``, bit ``i % 32`` of
+  word ``i // 32`` is token ``i``: llguidance's layout) -> ``bool[b, vocab]``, True where allowed."""
+  idx = jnp.arange(vocab, dtype=jnp.uint32)
+  return ((jnp.asarray(bits, jnp.uint32)[:, idx // 32] >> (idx % 32)) & 1).astype(bool)
 
 
 GREEDY = SamplingParams(temperature=0.0)

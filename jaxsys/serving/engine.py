@@ -289,7 +289,7 @@ class ServingEngine:
     """The decode step over the slots ``rids`` (None: empty) with each one's last token
     ``tokens int32[slots]``: ``(logits [slots, vocab], drawn)`` (device arrays); with the
     scheduler's sampling arguments ``ints`` / ``floats`` the rows' tokens are drawn in the same
-    executable (``scheduler.draw``, with the rows' ``pen`` Penalties or None; one dispatch per decode
+    executable (``scheduler.draw``, with the rows' ``pen`` LogitAdjust or None; one dispatch per decode
     step), else ``drawn`` is None."""
     for rid in rids:
       if rid is not None:

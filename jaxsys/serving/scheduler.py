@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from flax import nnx
 
 from jaxsys.core.errors import InputError
 from jaxsys.decoding.core import bucket, check_prompts
-from jaxsys.decoding.sampling import Penalties, penalize, sample_rows, token_logprobs
+from jaxsys.decoding.sampling import Penalties, penalize, sample_rows, token_logprobs, unpack_allowed
 from jaxsys.serving.structured import Constraint, ll_tokenizer
 from jaxsys.serving.paged_cache import PoolExhaustedError
 from jaxsys.serving.prefill import prefill_chunk
@@ -341,18 +342,25 @@ class Scheduler:
     return ints, floats
 
   def _penalties(self, rows):
-    """The rows' :class:`Penalties` padded to ``slots`` rows, with each constrained row's grammar
-    mask in its bias (-inf on the tokens it forbids), or None when no row has either (the common
-    case: its executables then carry nothing for them)."""
+    """The rows' :class:`LogitAdjust` (padded to ``slots`` rows), or None when no row has
+    penalties, bias or a grammar (the common case: its executables then carry nothing for them).
+    Only the parts some row uses are built: a step with grammars alone copies one packed mask per
+    row (vocab / 8 bytes), not the penalties' ``[slots, vocab]`` history."""
     params = [s.params.sampling(0) for s in rows]
-    if not any(p.penalized for p in params) and all(s.constraint is None for s in rows):
+    penalized = any(p.penalized for p in params)
+    constrained = [i for i, s in enumerate(rows) if s.constraint is not None]
+    if not penalized and not constrained:
       return None
-    vocab = self.engine.model.config.vocab_size
-    pen = Penalties.rows(params, [s.out for s in rows], [s.prompt for s in rows], vocab, len(self.slots))
-    for i, s in enumerate(rows):
-      if s.constraint is not None:
-        pen.bias[i, ~s.constraint.allowed(vocab)] = -np.inf
-    return pen
+    vocab, b = self.engine.model.config.vocab_size, len(self.slots)
+    pen = allowed = None
+    if penalized:
+      pen = Penalties.rows(params, [s.out for s in rows], [s.prompt for s in rows], vocab, b)
+    if constrained:
+      words = -(-vocab // 32)
+      allowed = np.full((b, words), 0xFFFFFFFF, np.uint32)  # rows without a grammar: all allowed
+      for i in constrained:
+        allowed[i] = rows[i].constraint.allowed_bits(words)
+    return LogitAdjust(pen, allowed)
 
   def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
     """Samples each row's next token (rows of decode slots and of just-prefilled prompts)."""
@@ -433,15 +441,25 @@ def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats
   return draw(logits, ints, floats, keep_logits, pen)
 
 
-def draw(logits, ints, floats, keep_logits: bool, pen: Penalties | None = None):
+class LogitAdjust(NamedTuple):
+  """What changes a step's logits before the draw: ``pen``, the rows' :class:`Penalties` (None:
+  no row has penalties or bias), and ``allowed``, the constrained rows' grammar masks packed
+  ``uint32[slots, ceil(vocab / 32)]`` (None: no row has a grammar; rows without one: all ones)."""
+  pen: Any
+  allowed: Any
+
+
+def draw(logits, ints, floats, keep_logits: bool, pen: LogitAdjust | None = None):
   """Traced: row ``j`` of ``logits [slots, vocab]`` draws its token with its own parameters and
   key ``fold_in(fold_in(seed, choice), index)`` (``ints`` / ``floats`` of
-  ``Scheduler._sample_args``), from the logits ``penalize`` gives with ``pen`` (None: no row has
-  penalties); the reported log-probabilities are the model's own. Also run inside the engine's
-  decode executable."""
+  ``Scheduler._sample_args``), from the logits after ``pen`` (:class:`LogitAdjust`; None: no
+  row has penalties or a grammar): penalties and bias, then -inf on what a grammar forbids. The
+  reported log-probabilities are the model's own. Also run inside the engine's decode executable."""
   raw = logits
-  if pen is not None:
-    logits = penalize(logits, pen)
+  if pen is not None and pen.pen is not None:
+    logits = penalize(logits, pen.pen)
+  if pen is not None and pen.allowed is not None:
+    logits = jnp.where(unpack_allowed(pen.allowed, logits.shape[-1]), logits, -jnp.inf)
   _, _, seeds, choice, index, top_k, want_logprobs = ints
   temperature, top_p, min_p = floats
   seeds = seeds.astype(jnp.uint32)

@@ -4,8 +4,9 @@ A request's ``RequestParams.grammar`` (an llguidance grammar, built by :func:`gr
 schema, a regex or a list of choices) gives each of its sequences a :class:`Constraint`: an
 ``llguidance.LLMatcher`` over the engine's tokenizer (the same ``tokenizers`` JSON the model's
 tokenizer uses). Before each draw the scheduler asks every constrained row for the tokens the grammar
-allows next and adds ``-inf`` to the others' logits through the one sampler's bias
-(``decoding.sampling.Penalties.bias``); rows without a grammar add nothing, and a step with no
+allows next (llguidance's packed bitmask, :meth:`Constraint.allowed_bits`, copied to the device
+as ``vocab / 8`` bytes per row) and the step's draw (``scheduler.draw``) puts ``-inf`` on the
+others' logits after penalties and bias; rows without a grammar add nothing, and a step with no
 constrained (or penalized) row builds no mask at all. After the draw the token advances the
 matcher; once the grammar is complete (llguidance then allows only EOS) the sequence stops with
 ``finish_reason "stop"``. llguidance (the ``serve`` extra) is the engine: torch-free, and its mask
@@ -100,6 +101,13 @@ class Constraint:
     bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
     mask = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
     return np.pad(mask, (0, vocab - mask.size))
+
+  def allowed_bits(self, words: int) -> np.ndarray:
+    """The same mask packed as llguidance computes it: ``uint32[words]``, bit ``i % 32`` of word
+    ``i // 32`` is token ``i`` (about 1/32 of the bytes of :meth:`allowed` to copy to the device;
+    :func:`jaxsys.decoding.sampling.unpack_allowed` unpacks it there)."""
+    bits = np.frombuffer(self.matcher.compute_bitmask(), "<u4")[:words]
+    return np.pad(bits, (0, words - bits.size))
 
   def advance(self, token: int) -> bool:
     """Consumes the drawn token; True once the grammar is complete (or broken: the mask allowed only

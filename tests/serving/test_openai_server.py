@@ -453,6 +453,25 @@ def test_structured_outputs_follow_their_grammar(setup):
   assert _idle(engine)
 
 
+def test_packed_grammar_mask_is_the_mask(setup):
+  """What a step copies to the device (llguidance's packed words) unpacks to the boolean mask, at
+  the start of a schema and after a few tokens (the vocab is not a multiple of 32 here: 49152 is,
+  so the last word is checked with a cut vocabulary too)."""
+  from jaxsys.decoding.sampling import unpack_allowed
+  from jaxsys.serving.structured import Constraint, grammar_for, ll_tokenizer
+  _, _, engine, _, _ = setup
+  tok, vocab = engine.tokenizer, engine.model.config.vocab_size
+  c = Constraint(ll_tokenizer(tok, vocab, [tok.eos_token_id]), grammar_for(json_schema=PERSON))
+  for t in [None] + tok.encode('{"name":"Ann"', add_special_tokens=False):
+    if t is not None:
+      c.advance(t)
+    want = c.allowed(vocab)
+    for v in (vocab, vocab - 7):
+      got = np.asarray(unpack_allowed(c.allowed_bits(-(-v // 32))[None], v))[0]
+      np.testing.assert_array_equal(got, want[:v])
+    assert 0 < want.sum() < vocab
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
