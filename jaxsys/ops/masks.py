@@ -10,6 +10,10 @@ as in decoding); key ``j`` sits at position ``j``.
 * ``Sink(n)``: visible iff ``j < n`` and ``j <= pos(i)``. ``Sink(n) | Local(w)`` is a streaming head.
 * ``a | b``, ``a & b``: union / intersection.
 * ``MultiHead([m_0, ..., m_{H-1}])``: query head ``h`` uses ``m_h``.
+* ``Dense(values)``: a concrete boolean array ``[heads or 1, q_len, kv_len]`` (row index
+  based, like ``BlockSparse``); block layouts classify its tiles exactly, so empty tiles are
+  skipped and full ones need no token mask. ``ops.attention`` turns a block-structured dense
+  boolean mask into one (``from_dense``).
 * ``BlockSparse(layout, block_q, block_k, token_mask=None)``: ``layout[h, i // block_q, j // block_k]``
   says whether query block ``i // block_q`` (by row index) of head h visits key block
   ``j // block_k``; inside visited blocks the optional ``token_mask`` (another mask) applies.
@@ -31,7 +35,8 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, ShapeError, check_min
 
-__all__ = ["And", "BlockSparse", "Causal", "Full", "Local", "Mask", "MultiHead", "Or", "Sink", "TreeMask"]
+__all__ = ["And", "BlockSparse", "Causal", "contains", "Dense", "from_dense", "Full", "Local", "Mask", "MultiHead", "Or",
+           "Sink", "TreeMask"]
 
 
 #: Default compute tile of the XLA backend, and the finest tile a structured mask asks for.
@@ -75,6 +80,17 @@ class Mask:
     head = np.arange(h)[:, None, None]
     out = self.visible(q_idx, q_idx + q_offset, k_idx, head)
     return np.broadcast_to(np.asarray(out, bool), (h, q_len, kv_len)).copy()
+
+
+def contains(mask: Mask | None, kind: type) -> bool:
+  """Whether ``mask`` or any mask it is composed of (``|``, ``&``, ``MultiHead``, a
+  ``BlockSparse`` token mask) is a ``kind``."""
+  if mask is None:
+    return False
+  if isinstance(mask, kind):
+    return True
+  parts = tuple(getattr(mask, "masks", ())) + (getattr(mask, "token_mask", None),)
+  return any(contains(m, kind) for m in parts if m is not None)
 
 
 def _as_mask(m) -> Mask:
@@ -254,6 +270,60 @@ class BlockSparse(Mask):
     if self.token_mask is not None:
       out = out & self.token_mask.visible(q_idx, q_pos, k_idx, head)
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dense(Mask):
+  """A concrete visibility array ``bool[heads or 1, q_len, kv_len]`` as a lazy mask: what a
+  user's dense boolean mask becomes when tiles of it are empty (:func:`from_dense`). Row index
+  based, like ``BlockSparse``; kernels that evaluate masks on the chip refuse it (its values would
+  have to travel as an input), the XLA paths read it as a constant."""
+  values: np.ndarray
+
+  def __post_init__(self):
+    v = np.asarray(self.values, bool)
+    if v.ndim == 2:
+      v = v[None]
+    if v.ndim != 3:
+      raise ShapeError(f"Dense mask values must be [heads, q_len, kv_len], got {v.shape}")
+    object.__setattr__(self, "values", v)
+
+  @property
+  def num_heads(self):  # type: ignore[override]
+    h = self.values.shape[0]
+    return None if h == 1 else h
+
+  @property
+  def granularity(self) -> int | None:
+    return FINE_TILE
+
+  def check_lengths(self, q_len: int, kv_len: int):
+    if self.values.shape[1:] != (q_len, kv_len):
+      raise ShapeError(f"Dense mask of shape {self.values.shape[1:]} for q_len={q_len}, kv_len={kv_len}")
+
+  def visible(self, q_idx, q_pos, k_idx, head=None):
+    xp = _xp(q_idx, k_idx) if head is None else _xp(q_idx, k_idx, head)
+    v = xp.asarray(self.values)
+    h = 0 if (head is None or v.shape[0] == 1) else head
+    return v[h, xp.clip(q_idx, 0, v.shape[1] - 1), xp.clip(k_idx, 0, v.shape[2] - 1)]
+
+
+#: ``from_dense`` keeps a mask dense when more than this fraction of its tiles has a visible key.
+DENSE_MAX_DENSITY = 0.75
+
+
+def from_dense(values, tile: int = FINE_TILE) -> Dense | None:
+  """``Dense(values)`` for a concrete ``bool[heads or 1, q_len, kv_len]`` whose ``tile x tile``
+  tiles are at most ``DENSE_MAX_DENSITY`` visited (document masks, block-diagonal or banded
+  patterns: the tiled attention skips the rest), else None (the mask runs dense: with most tiles
+  visited, tiling costs more than it saves)."""
+  v = np.asarray(values, bool)
+  h, tq, tk = v.shape
+  nq, nk = -(-tq // tile), -(-tk // tile)
+  padded = np.zeros((h, nq * tile, nk * tile), bool)
+  padded[:, :tq, :tk] = v
+  visited = padded.reshape(h, nq, tile, nk, tile).any(axis=(2, 4))
+  return Dense(v) if visited.mean() <= DENSE_MAX_DENSITY else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -78,6 +78,10 @@ _R = np.random.RandomState(3)
 _DENSE_MASK = jnp.asarray((_R.rand(2, 1, 24, 24) < 0.5) | np.eye(24, dtype=bool))        # [b, 1, q, k]
 _ADDITIVE = jnp.asarray(np.where(_R.rand(1, 4, 20, 28) < 0.3, -np.inf, 0.0), jnp.float32)  # [1, h, q, k]
 _BIAS = jnp.asarray(_R.randn(1, 1, 20, 28), jnp.float32)
+_SEG = np.repeat([0, 1, 2], [60, 70, 30])
+# a packed-documents mask written out densely (causal within each of 3 documents): block-structured,
+# so ops.attention turns it into a masks.Dense layout whose empty tiles are skipped
+_DOC_MASK = jnp.asarray((_SEG[:, None] == _SEG[None, :]) & np.tri(160, dtype=bool))[None, None]
 _CASES = {
     # name: (b, tq, tk, h, hk, d, kwargs)
     "full": (2, 40, 40, 2, 2, 16, {}),
@@ -97,11 +101,13 @@ _CASES = {
     # dense per-call terms: a boolean mask, an additive mask with a bias, a logit soft cap
     "dense_bool_mask": (2, 24, 24, 4, 2, 8, {"mask": _DENSE_MASK}),
     "additive_mask_bias": (1, 20, 28, 4, 1, 8, {"mask": _ADDITIVE, "bias": _BIAS}),
+    "dense_block_structured": (1, 160, 160, 4, 2, 8, {"mask": _DOC_MASK}),
     "soft_cap_causal_gqa": (1, 40, 40, 4, 2, 8, {"mask": M.Causal(), "logits_soft_cap": 1.5}),
     "soft_cap_decode": (2, 1, 53, 4, 2, 16, {"mask": M.Causal(), "q_offset": jnp.array([20, 52]),
                                              "kv_lengths": jnp.array([21, 53]), "logits_soft_cap": 2.0}),
 }
-DENSE_CASES = ["dense_bool_mask", "additive_mask_bias", "soft_cap_causal_gqa", "soft_cap_decode"]
+DENSE_CASES = ["dense_bool_mask", "additive_mask_bias", "soft_cap_causal_gqa", "soft_cap_decode",
+               "dense_block_structured"]
 
 
 @pytest.mark.parametrize("name", sorted(_CASES))
@@ -236,7 +242,7 @@ def _naive(q, k, v, mask=None, bias=None, logits_soft_cap=None, **_):
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
 
 
-@pytest.mark.parametrize("name", DENSE_CASES[:3])
+@pytest.mark.parametrize("name", DENSE_CASES[:3] + ["dense_block_structured"])
 def test_dense_terms_match_naive_formula(name):
   """The op (auto) against the formula written out, values and gradients (q, k, v and bias)."""
   b, tq, tk, h, hk, d, kw = _CASES[name]
@@ -250,6 +256,31 @@ def test_dense_terms_match_naive_formula(name):
   np.testing.assert_allclose(ours[0], want[0], rtol=1e-5, atol=1e-4)
   for a, b_ in zip(ours[1], want[1]):
     np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-5)
+
+
+def test_block_structured_dense_masks_become_layouts():
+  """A concrete boolean mask shared by the batch with empty 64 x 64 tiles becomes ``masks.Dense``
+  (exact block classes: empty tiles skipped, full ones unmasked); a mostly-visited, per-example or
+  traced mask stays dense; the Pallas kernel refuses a Dense mask (auto falls back)."""
+  q, k, v, _ = _inputs(1, 160, 160, 4, 2, 8)
+  args = common.validate(q, k, v, mask=_DOC_MASK)
+  assert isinstance(args.mask, M.Dense) and args.token_mask is None
+  lay = layout.compile_layout(args.mask, heads=4, q_len=160, kv_len=160, block_q=32, block_k=32,
+                              q_offset=0)
+  want = np.asarray(_DOC_MASK[0, 0]).reshape(5, 32, 5, 32)
+  np.testing.assert_array_equal(lay.cls[0] != layout.SKIP, want.any(axis=(1, 3)))
+  np.testing.assert_array_equal(lay.cls[0] == layout.FULL, want.all(axis=(1, 3)))
+  assert lay.density < 0.5
+  rand = jnp.asarray(np.random.RandomState(0).rand(1, 1, 160, 160) < 0.5)
+  assert common.validate(q, k, v, mask=rand).token_mask is not None             # every tile visited
+  q2, k2, v2, _ = _inputs(2, 160, 160, 4, 2, 8)
+  assert common.validate(q2, k2, v2, mask=jnp.concatenate([_DOC_MASK] * 2)).token_mask is not None
+  def inside(m):
+    assert common.validate(q, k, v, mask=m).token_mask is not None  # traced: stays dense
+    return m
+  jax.jit(inside)(_DOC_MASK)
+  with pytest.raises(NotImplementedError, match="dense mask"):
+    attention(q, k, v, mask=_DOC_MASK, impl="pallas_interpret")
 
 
 def test_dense_terms_are_refused_by_specialised_paths():

@@ -99,8 +99,11 @@ def attention(q, k, v, *, mask=None, segment_ids=None, scale=None, impl: str = "
       head h reads kv head ``h // (heads // kv_heads)``).
     mask: a lazy ``jaxsys.ops.masks.Mask`` (the fast path: blocks it hides are skipped), a dense
       array ``[batch|1, heads|1, q_len, kv_len]`` -- boolean (True: visible) or floating (added to
-      the logits, e.g. 0 / -inf) -- or None (full attention). A dense array runs the dense
-      formula (``xla``; the Pallas kernels refuse it and ``auto`` falls back).
+      the logits, e.g. 0 / -inf) -- or None (full attention). A concrete boolean array shared
+      by the batch (``[1, heads|1, q, k]``) with at most 3/4 of its 64 x 64 tiles visited
+      (document, block-diagonal, banded masks) becomes a ``masks.Dense`` mask whose empty tiles
+      the tiled XLA path skips; any other dense array runs the dense formula (``xla``). The
+      Pallas kernels refuse both and ``auto`` falls back.
     bias: floating ``[batch|1, heads|1, q_len, kv_len]`` added to the logits (differentiable).
     logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)`` (Gemma 2), applied
       after ``scale`` and before ``bias`` and the mask.

@@ -73,6 +73,12 @@ def validate(q, k, v, *, mask=None, segment_ids=None, scale=None, q_offset=None,
     else:  # an additive mask is a bias
       bias = mask if bias is None else mask + _dense("bias", bias, b, h, tq, tk)
       mask = None
+  if token_mask is not None and bias is None and mask is None:
+    # A concrete mask shared by the batch, with tiles that see no key, becomes a lazy Dense mask:
+    # the tiled paths then skip those tiles. Traced or per-example masks run the dense formula.
+    structured = _structured(token_mask)
+    if structured is not None:
+      token_mask, mask = None, structured
   if bias is not None:
     bias = _dense("bias", bias, b, h, tq, tk)
     if bias.dtype == jnp.bool_:
@@ -123,13 +129,21 @@ def _dense(name, x, b, h, tq, tk):
   return x
 
 
+def _structured(token_mask):
+  """``masks.from_dense`` of a concrete ``[1, h|1, q, k]`` mask, or None (traced, per example,
+  or with too few empty tiles)."""
+  if isinstance(token_mask, jax.core.Tracer) or token_mask.shape[0] != 1:
+    return None
+  return masks_lib.from_dense(np.asarray(token_mask)[0])
+
+
 def soft_cap(s, cap: float | None):
   """``cap * tanh(s / cap)`` (Gemma 2's attention-logit cap), or ``s`` when ``cap`` is None."""
   return s if cap is None else cap * jnp.tanh(s / cap)
 
 
 def _check_block_sparse(mask, tq, tk):
-  if isinstance(mask, masks_lib.BlockSparse):
+  if isinstance(mask, (masks_lib.BlockSparse, masks_lib.Dense)):
     mask.check_lengths(tq, tk)
   for child in getattr(mask, "masks", ()):
     _check_block_sparse(child, tq, tk)

@@ -4,8 +4,8 @@ Every block ``(head, q block, kv block)`` gets a class: ``SKIP`` (no visible key
 computed), ``FULL`` (every real token pair visible: no token mask needed) or ``PARTIAL`` (the
 token mask is evaluated inside the block). Classes are derived analytically from interval logic
 over blocks (``Causal``, ``Local``, ``Sink``), rectangle counts over ``BlockSparse`` layouts
-(2-D prefix sums) and ``|`` / ``&`` / ``MultiHead`` composition — never from a dense
-``[q_len, kv_len]`` mask. Composition is conservative (``a | b`` is FULL only if one side is
+(2-D prefix sums) and ``|`` / ``&`` / ``MultiHead`` composition — never by materialising a lazy
+mask; a ``Dense`` mask (a concrete array already) is reduced per block exactly. Composition is conservative (``a | b`` is FULL only if one side is
 FULL; ``a & b`` is visited if both sides are), so a class can only err towards more work,
 never towards a wrong answer: token masks are re-applied inside every PARTIAL block.
 
@@ -144,6 +144,8 @@ def _classify(mask: M.Mask, g: _Grid, heads: int):
     parts = [_classify(m, g, heads) for m in mask.masks]
     return (np.concatenate([np.broadcast_to(p[0], (1, *shape)) for p in parts]),
             np.concatenate([np.broadcast_to(p[1], (1, *shape)) for p in parts]))
+  if isinstance(mask, M.Dense):
+    return _dense(mask.values, g)
   if isinstance(mask, M.BlockSparse):
     a, b = _block_sparse(mask, g)
     if mask.token_mask is not None:
@@ -152,6 +154,14 @@ def _classify(mask: M.Mask, g: _Grid, heads: int):
     return a, b
   # Unknown mask type: correct but unpruned (every block visited, token mask everywhere).
   return np.ones((1, *shape), bool), np.zeros((1, *shape), bool)
+
+
+def _dense(values: np.ndarray, g: _Grid):
+  """Exact classes of a concrete mask: any / all visible over each block's real rows and keys."""
+  r0, k0 = g.r0[:, 0], g.k0[0]
+  any_ = np.logical_or.reduceat(np.logical_or.reduceat(values, r0, axis=1), k0, axis=2)
+  all_ = np.logical_and.reduceat(np.logical_and.reduceat(values, r0, axis=1), k0, axis=2)
+  return any_, all_
 
 
 def _block_sparse(mask: M.BlockSparse, g: _Grid):

@@ -144,7 +144,7 @@ def pallas_attention(args: AttentionArgs, block_sizes: fa.BlockSizes | None = No
   / ``num_warps`` / ``num_stages`` say otherwise, and refuse with ``NotImplementedError`` --
   before anything is traced, so ``impl="auto"`` falls back -- a head_dim beyond the table or
   tiles whose shared memory exceeds an H100's (``flash_tiles.check_smem``)."""
-  if args.dense_terms or args.logits_soft_cap is not None:
+  if args.dense_terms or args.logits_soft_cap is not None or M.contains(args.mask, M.Dense):
     # the kernel evaluates lazy masks only; these run on the XLA path (auto falls back)
     raise NotImplementedError("the Pallas attention kernel takes no dense mask, bias or logits_soft_cap")
   q, k, v = args.q, args.k, args.v
