@@ -46,7 +46,7 @@ def with_compute_dtype(model, dtype: str = "float32"):
   ``"float32"`` returns ``model`` itself, so the default table is unchanged."""
   if dtype == "float32":
     return model
-  from jaxsys.models.decoder import replace_config
+  from jaxsys.models.llm.decoder import replace_config
   return replace_config(model, dtype=dtype)
 
 

@@ -63,7 +63,7 @@ def _gate_settings(seed: int = 0) -> dict:
 
 def _gates(model, tok, out, progress=True, seed: int = 0):
   """``(StreamingGates, note)``: learned now, or read back from the settings-keyed cache."""
-  from jaxsys.models.pretrained import cache_dir
+  from jaxsys.models.llm.interop.pretrained import cache_dir
   from jaxsys.serving.gates_cli import distillation_data
   from jaxsys.serving.streaming import StreamingGates, identify_streaming_heads
   settings = _gate_settings(seed)  # at seed 0 GATE_SETTINGS itself: the key of the gates cached before
@@ -188,7 +188,7 @@ def run(out, details, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """Every SmolLM2 row; the gates files go to ``out``. ``seed``: the run's ``--seed``; ``dtype``:
   the model's compute dtype."""
   from experiments._cli import with_compute_dtype
-  from jaxsys.models.pretrained import load_pretrained
+  from jaxsys.models.llm.interop.pretrained import load_pretrained
   model, tok = load_pretrained(MODEL)
   model = with_compute_dtype(model, dtype)
   gates, note = _gates(model, tok, out, progress=os.environ.get("JAXSYS_NO_PROGRESS") is None, seed=seed)

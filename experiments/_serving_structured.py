@@ -34,15 +34,15 @@ NAME = "smollm2-135m-instruct"
 
 
 def _model(quick: bool, seed: int):
-  from jaxsys.models import pretrained
+  from jaxsys.models.llm.interop import pretrained
   if pretrained.find(NAME) is None:
     return None, None
   if not quick:
     from jaxsys.models import load_pretrained
     return load_pretrained(NAME)
-  from jaxsys.models._decoder_config import DecoderConfig
-  from jaxsys.models.decoder import random_model
-  from jaxsys.models.gguf import load_tokenizer
+  from jaxsys.models.llm._decoder_config import DecoderConfig
+  from jaxsys.models.llm.decoder import random_model
+  from jaxsys.models.llm.interop.gguf import load_tokenizer
   tok = load_tokenizer(pretrained.find(NAME))
   cfg = DecoderConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                       num_kv_heads=4, max_position_embeddings=1024, eos_token_id=tok.eos_token_id)

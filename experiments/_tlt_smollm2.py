@@ -127,7 +127,7 @@ def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list
   from jaxsys.core.bench import read_bandwidth, time_fn
   from jaxsys.decoding.sampling import GREEDY, SamplingParams
   from jaxsys.models import load_pretrained
-  from jaxsys.models.drafter import DrafterConfig, EagleDrafter, drafter_loss, top_token_ids
+  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, drafter_loss, top_token_ids
   from jaxsys.rl.chat_tasks import ChatTaskSampler
   from jaxsys.serving.generation import default_stop_tokens, generate
   from jaxsys.speculative import online
@@ -167,7 +167,7 @@ def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list
     llama_note = "llama.cpp: llama_cpp does not import here (not installed), not measured"
     llama_ms = None
     if real_lm._have_llama():
-      from jaxsys.models import pretrained as P
+      from jaxsys.models.llm.interop import pretrained as P
       llm = real_lm._Llama(real_lm._llama_files(P.find(MODEL))["F32"], n_ctx=512)
       llm.generate(probe[0], 8)
       pre, dec_s, _ = llm.generate(probe[0], n_long)

@@ -71,8 +71,8 @@ def add_common_args(p: argparse.ArgumentParser, seconds: float) -> None:
 
 @functools.cache
 def _tokenizer():
-  from jaxsys.models.gguf import load_tokenizer
-  from jaxsys.models.pretrained import model_path
+  from jaxsys.models.llm.interop.gguf import load_tokenizer
+  from jaxsys.models.llm.interop.pretrained import model_path
   return load_tokenizer(model_path(MODEL))
 
 
@@ -80,7 +80,7 @@ def stand_in(max_positions: int = 1024):
   """``(model, tokenizer)`` for ``--smoke``: a new 2-layer random decoder (GQA 4/2, hidden 64) over
   SmolLM2's tokenizer and vocabulary, so every text path (chat template, passkey prompts) runs."""
   from jaxsys.models import DecoderConfig
-  from jaxsys.models.decoder import random_model
+  from jaxsys.models.llm.decoder import random_model
   tok = _tokenizer()
   cfg = DecoderConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, max_position_embeddings=max_positions,
@@ -95,7 +95,7 @@ def device_note() -> dict:
 
 def work_dir(args) -> Path:
   """``--work``, else ``$JAXSYS_HOME/accel-work[-smoke]`` (kept: a rerun reuses its compiled executables)."""
-  from jaxsys.models.pretrained import cache_dir
+  from jaxsys.models.llm.interop.pretrained import cache_dir
   return Path(args.work) if args.work else cache_dir() / ("accel-work-smoke" if args.smoke else "accel-work")
 
 

@@ -67,8 +67,8 @@ def drafter_arrays(drafter) -> dict[str, np.ndarray]:
 
 def target_config(smoke: bool):
   """The policy's ``DecoderConfig`` (read from the GGUF's metadata; the stand-in's with ``smoke``)."""
-  from jaxsys.models.gguf import config_from_gguf
-  from jaxsys.models.pretrained import model_path
+  from jaxsys.models.llm.interop.gguf import config_from_gguf
+  from jaxsys.models.llm.interop.pretrained import model_path
   return stand_in()[0].config if smoke else config_from_gguf(model_path(MODEL))
 
 
@@ -80,7 +80,7 @@ def drafter_from_asset(spec: str, target_config):
   from flax import nnx
 
   import jaxsys.assets as A
-  from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
   p = Path(spec)
   arrays, meta = A.read_arrays("drafters", p.stem, p.parents[1]) if p.suffix == ".npz" else \
       A.read_arrays("drafters", spec)
@@ -135,7 +135,7 @@ def _keep(work: Path, out: Path, name: str, since: float) -> dict:
 def drafter_phase(args, overrides, work: Path, out: Path) -> str:
   """Warm-up and speedup rows; writes the asset; returns the orbax checkpoint for ``grpo``."""
   import jaxsys.assets as A
-  from jaxsys.models.drafter import DrafterConfig
+  from jaxsys.models.llm.drafter import DrafterConfig
   from jaxsys.speculative.online import load_drafter
   t0 = time.time()
   with _experiment(overrides, args.smoke):

@@ -4,7 +4,7 @@ The device machine has no network, and one call takes at most 64 MiB of files (t
 included). The SmolLM2 GGUF is 98 MB, so it travels in two parts, one per call; each call stashes
 the parts it brought outside the checkout, and the call that completes the set joins them, checks
 the sha256 of every part and of the whole file (the manifest's, and the one ``jaxsys.models.
-pretrained`` pins) and installs the file where ``jaxsys.models.pretrained.find`` looks for it
+pretrained`` pins) and installs the file where ``jaxsys.models.llm.interop.pretrained.find`` looks for it
 (``$JAXSYS_HOME/models/<name>/``), so ``load_pretrained(name)`` works there without network.
 
 Here (once; ``.carry/`` ignores itself)::
@@ -19,7 +19,7 @@ stashed by the first live until it is given back), each carrying its part::
   python -m experiments.carry install && ...          # call 2: stashes part01, joins, installs
 
 ``install`` also installs the wheels under ``.carry/wheels`` when their package is missing (the
-device image has no ``gguf``, which ``jaxsys.models.gguf`` imports). experiments/README.md has the
+device image has no ``gguf``, which ``jaxsys.models.llm.interop.gguf`` imports). experiments/README.md has the
 exact ``run`` calls. Exit status: 0 installed (or parts stashed with ``--partial-ok``), 3 parts
 missing, 2 a bad part or file (the message names it).
 """
@@ -139,7 +139,7 @@ def join_parts(manifest: dict, dirs, dest: os.PathLike) -> Path:
 
 def stash_dir(name: str) -> Path:
   """Where ``install`` keeps the parts between calls: outside the checkout, in ``$JAXSYS_HOME``."""
-  from jaxsys.models.pretrained import cache_dir
+  from jaxsys.models.llm.interop.pretrained import cache_dir
   return cache_dir() / "carry" / name
 
 
@@ -159,9 +159,9 @@ def _stash(manifest: dict, directory: Path, name: str) -> list[str]:
 
 def install(name: str = DEFAULT_MODEL, directory: os.PathLike = DEFAULT_DIR) -> Path:
   """Stashes the parts in ``directory``; with the set complete, joins and installs the model where
-  ``jaxsys.models.pretrained`` finds it and returns its path (``MissingParts`` otherwise). The
+  ``jaxsys.models.llm.interop.pretrained`` finds it and returns its path (``MissingParts`` otherwise). The
   file's sha256 must be the manifest's and the one ``pretrained.MODELS`` pins for ``name``."""
-  from jaxsys.models import pretrained
+  from jaxsys.models.llm.interop import pretrained
   spec = pretrained.MODELS.get(name)
   if spec is None:
     raise ConfigError(f"model {name=} is not known; known models: {sorted(pretrained.MODELS)}")
@@ -176,7 +176,7 @@ def install(name: str = DEFAULT_MODEL, directory: os.PathLike = DEFAULT_DIR) -> 
   dest = pretrained.cache_dir() / "models" / name / spec.filename
   join_parts(manifest, [stash_dir(name)], dest)
   if pretrained.find(name) != dest:
-    raise InputError(f"installed {dest}, but jaxsys.models.pretrained.find({name!r}) returns "
+    raise InputError(f"installed {dest}, but jaxsys.models.llm.interop.pretrained.find({name!r}) returns "
                      f"{pretrained.find(name)}")
   return dest
 
@@ -211,7 +211,7 @@ def run_calls(manifest: dict, directory: str) -> list[str]:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m experiments.carry", description=__doc__.splitlines()[0])
   p.add_argument("command", choices=("split", "install"))
-  p.add_argument("--model", default=DEFAULT_MODEL, help=f"a jaxsys.models.pretrained name ({DEFAULT_MODEL})")
+  p.add_argument("--model", default=DEFAULT_MODEL, help=f"a jaxsys.models.llm.interop.pretrained name ({DEFAULT_MODEL})")
   p.add_argument("--dir", default=DEFAULT_DIR, help="where the parts and manifest live (default .carry)")
   p.add_argument("--max-mib", type=float, default=MAX_MIB, help="largest part, MiB (default 50)")
   p.add_argument("--partial-ok", action="store_true", help="install: exit 0 when parts are still missing")
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
   directory = Path(a.dir)
   try:
     if a.command == "split":
-      from jaxsys.models.pretrained import model_path
+      from jaxsys.models.llm.interop.pretrained import model_path
       directory.mkdir(parents=True, exist_ok=True)
       (directory / ".gitignore").write_text("*\n")  # the folder ignores itself: carried, never committed
       m = split_file(model_path(a.model), directory, a.model, max_bytes=int(a.max_mib * 2**20))

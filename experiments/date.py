@@ -6,7 +6,7 @@ ablation 0-2) and the data sets (train split seed 1000, eval 2000) are ``reseed(
 (seed 0: the default table).
 
 On the procedural shapes data (``jaxsys.data.shapes``: 64 x 64 images, 5 classes, 1-6
-objects with occlusion) the same small detector (``jaxsys.models.date``: residual CNN, 3-level
+objects with occlusion) the same small detector (``jaxsys.models.vision.date``: residual CNN, 3-level
 FPN, shared GN towers) is trained twice per seed with the same data order and optimizer: with the
 one-to-many branch (``dual=True``, the paper's DATE) and without (one-to-one only, an end-to-end
 POTO detector). The optimizer is the paper's (SGD, lr 0.01 at batch 16, momentum 0.9, weight
@@ -40,7 +40,7 @@ from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.data.shapes import ShapesConfig, make_shapes
 from jaxsys.eval.detection import coco_ap, duplicate_rate, from_batch
-from jaxsys.models.date import DATE, DATEConfig, make_detect_fn, predict_dataset, train_detector
+from jaxsys.models.vision.date import DATE, DATEConfig, make_detect_fn, predict_dataset, train_detector
 
 NAME = "date"
 NMS_IOU = 0.6

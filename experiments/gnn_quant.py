@@ -53,7 +53,7 @@ def _config(quick: bool, seed: int = 0) -> dict:
 
 def _train_gcn(ds, quant, seed, epochs, init_bits=None, degree_bits=None, degree_weight=0.0):
   from flax import nnx
-  from jaxsys.models.gnn import GNN, GNNConfig, GNNTrainConfig, NodeData, train_gnn
+  from jaxsys.models.graph.gnn import GNN, GNNConfig, GNNTrainConfig, NodeData, train_gnn
   cfg = GNNConfig(ds.num_features, ds.num_classes, kind="gcn", hidden=16, dropout=0.5,
                   quant=quant)
   model = GNN(cfg, ds.num_nodes, rngs=nnx.Rngs(seed), init_bits=init_bits)
@@ -65,7 +65,7 @@ def _train_gcn(ds, quant, seed, epochs, init_bits=None, degree_bits=None, degree
 
 
 def _a2q_section(ds, cfg, out, seed: int):
-  from jaxsys.models.gnn import compression_ratio
+  from jaxsys.models.graph.gnn import compression_ratio
   from jaxsys.nn.quantized import A2QConfig
   from jaxsys.quant import a2q
   from jaxsys.quant.mega import degree_aware_bits, in_degree
@@ -189,7 +189,7 @@ def _packing_section(ds, best):
 def _sylvie_section(ds, cfg, out, seed: int):
   from jaxsys import graphs
   from jaxsys.core.mesh import make_mesh
-  from jaxsys.models.gnn import train_sylvie
+  from jaxsys.models.graph.gnn import train_sylvie
   from jaxsys.parallel.graph_comm import (SylvieConfig, SylvieTrainer, build_partition_plan,
                                           init_gcn_params)
   p = cfg["sylvie_parts"]

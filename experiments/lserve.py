@@ -257,8 +257,8 @@ def prefill_rows(quick: bool, seed: int = 0) -> list[Row]:
 def engine_rows(quick: bool, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """(d) end-to-end decode tokens/s of the engine, dense vs LServe (random weights); ``seed``: the
   run's ``--seed`` (the weights and the prompt); ``dtype``: the model's compute dtype."""
-  from jaxsys.models._decoder_config import DecoderConfig
-  from jaxsys.models.decoder import random_model
+  from jaxsys.models.llm._decoder_config import DecoderConfig
+  from jaxsys.models.llm.decoder import random_model
   from jaxsys.serving import ServingEngine, ServingConfig
   ctx = 4096 if quick else 32768
   new = 16 if quick else 32
@@ -322,7 +322,7 @@ def load_eval_model(quick: bool, seed: int = 0):
   ``seed``: the run's ``--seed`` (the probe examples; the checkpoint is fixed).
   """
   from jaxsys.data import synthetic
-  from jaxsys.models.tiny import exact_match, load_tiny_lm
+  from jaxsys.models.llm.tiny import exact_match, load_tiny_lm
   from jaxsys.nn.rope import RopeConfig
   try:
     base = load_tiny_lm()

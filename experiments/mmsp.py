@@ -156,7 +156,7 @@ def measure_decoder_step(labels, s, iters, heads=8, seed: int = 0):
   run's ``--seed`` (tokens and weights; every strategy gets the same ones)."""
   from flax import nnx
 
-  from jaxsys.models.decoder import Decoder, DecoderConfig
+  from jaxsys.models.llm.decoder import Decoder, DecoderConfig
   from jaxsys.parallel import zigzag
 
   cfg = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

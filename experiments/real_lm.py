@@ -126,7 +126,7 @@ def _llama_files(src) -> dict[str, object]:
   import ctypes
 
   import llama_cpp
-  from jaxsys.models.pretrained import cache_dir
+  from jaxsys.models.llm.interop.pretrained import cache_dir
   out = {"Q4_1": src}
   folder = cache_dir() / "models" / MODEL / "requantised"
   folder.mkdir(parents=True, exist_ok=True)
@@ -365,8 +365,8 @@ def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   """``parts``: names from ``PARTS`` to run alone (written as ``real_lm_<parts>``)."""
   if parts and set(parts) - set(PARTS):
     raise ValueError(f"parts={sorted(set(parts) - set(PARTS))} must be among {PARTS}")
-  from jaxsys.models.decoder import pack_for_decode
-  from jaxsys.models.pretrained import load_pretrained, model_path
+  from jaxsys.models.llm.decoder import pack_for_decode
+  from jaxsys.models.llm.interop.pretrained import load_pretrained, model_path
   gen = importlib.import_module("jaxsys.serving.generation").generate
   # quick: f32 only (its rows carry the full mode's goals); bf16 / int8 and the precision part,
   # rows without goals, are the full mode's (they were ~55 s of the quick run's compiles)

@@ -41,7 +41,7 @@ def _setup(quick: bool, seed: int, dtype: str = "float32"):
 
   import jaxsys.models as M
   from jaxsys.data import synthetic as S
-  from jaxsys.models import sft
+  from jaxsys.models.llm import sft
   if quick:
     cfg = M.DecoderConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                           num_heads=8, num_kv_heads=4, max_position_embeddings=64)

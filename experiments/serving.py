@@ -61,8 +61,8 @@ NAME = "serving"
 
 def _model(quick: bool, seed: int = 0):
   if quick:
-    from jaxsys.models._decoder_config import DecoderConfig
-    from jaxsys.models.decoder import random_model
+    from jaxsys.models.llm._decoder_config import DecoderConfig
+    from jaxsys.models.llm.decoder import random_model
     cfg = DecoderConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
                         num_heads=8, num_kv_heads=4, max_position_embeddings=4096)
     return random_model(cfg, seed=reseed(0, seed)), None, "random-4L"
@@ -142,7 +142,7 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
   if importlib.util.find_spec("llama_cpp") is None or tok is None:  # llama.cpp needs a GGUF tokenizer
     return None
   import jaxsys.models as M
-  from jaxsys.models import pretrained
+  from jaxsys.models.llm.interop import pretrained
   src = pretrained.find("smollm2-135m-instruct") if tok is not None else None
   path = M.save_gguf(model, workdir / "model-f32.gguf", dtype="f32", tokenizer=src)
   from jaxsys.core.bench import cpu_cores

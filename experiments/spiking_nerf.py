@@ -32,7 +32,7 @@ from experiments._cli import reseed
 from jaxsys.core.bench import time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.data.scenes import make_scene, render_dataset
-from jaxsys.models import spiking_nerf as M
+from jaxsys.models.nerf import spiking_nerf as M
 from jaxsys.nerf import energy, packing
 from jaxsys.nerf.render import psnr, ssim
 

@@ -92,7 +92,7 @@ def run_tiny(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -
 
   from jaxsys.data import synthetic
   from jaxsys.models import load_tiny_lm
-  from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
   from jaxsys.rl import grpo, tasks
   from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
   from jaxsys.speculative import online
@@ -138,7 +138,7 @@ def run_tiny(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -
   trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=16, seq_len=seq_len)
   log["drafter_warm"] = trainer.train(policy, buffer, cfg["drafter_warm_steps"])
   drafter0 = trainer.drafter  # "trained once"
-  from jaxsys.models.drafter import drafter_loss
+  from jaxsys.models.llm.drafter import drafter_loss
   ho = drafter_loss(drafter0, policy, *(jax.numpy.asarray(a) for a in heldout.sample(64, seq_len)))[1]
   log["drafter_warm"]["heldout_top1"] = float(ho["top1"])
   online.save_drafter(out / "drafter_ckpt" / f"warm_{int(time.time())}", drafter0)

@@ -66,7 +66,7 @@ def _settings(quick: bool, seed: int = 0) -> dict:
 def cora_accuracy(s: dict, seed: int) -> tuple[list[Row], dict]:
   """GT hyperparameters follow GAT's Cora recipe; choices made on validation accuracy only. The
   model seeds are ``s["seeds"]`` / ``s["dense_seeds"]``; ``seed`` moves the Laplacian PE's start."""
-  from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
+  from jaxsys.models.graph.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
                                                laplacian_pe, train_graph_transformer)
   ds = G.load_planetoid("cora", row_normalize=True)
   inputs = graph_inputs(ds.graph)  # adds one self loop per node, as GAT/GCN use
@@ -257,7 +257,7 @@ def train_large(s: dict, seed: int) -> tuple[list[Row], dict]:
   import optax
 
   from jaxsys.graphs.node_loss import masked_node_cross_entropy
-  from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
+  from jaxsys.models.graph.graph_transformer import GraphTransformer, GraphTransformerConfig
   from jaxsys.train import make_train_step
   n = s["train_nodes"]
   if n is None:  # quick mode
@@ -357,7 +357,7 @@ def memory_scaling(s: dict, seed: int) -> tuple[list[Row], dict]:
   give the largest node count that fits ``budget_gib`` per device.
   """
   from jaxsys.core.mesh import make_mesh
-  from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
+  from jaxsys.models.graph.graph_transformer import GraphTransformer, GraphTransformerConfig
   from jaxsys.parallel.graph import graph_parallel_loss, plan_arrays, plan_graph_partition
   budget = s["budget_gib"] * 2**30
   out = {"devices": [], "max_nodes": [], "bytes": []}

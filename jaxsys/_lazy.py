@@ -1,7 +1,11 @@
-"""Lazy re-exports: a package lists ``name -> submodule`` and imports on first use."""
+"""Lazy re-exports: a package lists ``name -> submodule`` and imports on first use; modules that
+moved keep their old import paths (:func:`moved_modules`)."""
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
+import types
 
 
 def lazy_exports(package: str, table: dict[str, str], also=()):
@@ -35,3 +39,48 @@ def lazy_exports(package: str, table: dict[str, str], also=()):
     return exported
 
   return __getattr__, __dir__
+
+
+class _Alias(types.ModuleType):
+  """A module that forwards every attribute to the module it stands for (one object per class)."""
+
+  def __init__(self, name: str, target: str):
+    super().__init__(name)
+    self.__dict__["_target"] = target
+
+  def __getattr__(self, name):
+    return getattr(importlib.import_module(self.__dict__["_target"]), name)
+
+  def __dir__(self):
+    return dir(importlib.import_module(self.__dict__["_target"]))
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Resolves ``old.module.path`` imports to the modules they moved to (see :func:`moved_modules`)."""
+
+  def __init__(self):
+    self.aliases: dict[str, str] = {}
+
+  def find_spec(self, name, path=None, target=None):
+    if name not in self.aliases:
+      return None
+    return importlib.util.spec_from_loader(name, self)
+
+  def create_module(self, spec):
+    return _Alias(spec.name, self.aliases[spec.name])
+
+  def exec_module(self, module):
+    pass
+
+
+_FINDER = _AliasFinder()
+
+
+def moved_modules(package: str, table: dict[str, str]):
+  """Keeps the import paths of modules that moved: ``import package.old`` (and ``from
+  package.old import x``) gives a module forwarding to ``package.new`` for every ``old -> new``
+  of ``table`` (both relative to ``package``), importing it on first use; the classes and
+  functions are the moved module's own objects."""
+  _FINDER.aliases.update({f"{package}.{old}": f"{package}.{new}" for old, new in table.items()})
+  if _FINDER not in sys.meta_path:
+    sys.meta_path.append(_FINDER)

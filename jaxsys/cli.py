@@ -168,7 +168,7 @@ def _register_forwarded(sub) -> None:
 
 
 def _register_pretrained(sub) -> None:
-  from jaxsys.models.pretrained import register_cli  # stdlib-only at import time
+  from jaxsys.models.llm.interop.pretrained import register_cli  # stdlib-only at import time
   from jaxsys.serving import chat_cli  # the same
   register_cli(sub)
   chat_cli.register_cli(sub)

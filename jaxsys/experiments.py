@@ -240,7 +240,7 @@ def compile_cache_dir(args) -> Path | None:
     return None
   if chosen:
     return Path(chosen).expanduser()
-  from jaxsys.models.pretrained import cache_dir  # noqa: PLC0415  (keeps this registry's import light)
+  from jaxsys.models.llm.interop.pretrained import cache_dir  # noqa: PLC0415  (keeps this registry's import light)
   return cache_dir() / "xla-cache"
 
 

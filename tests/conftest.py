@@ -69,7 +69,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 def _smollm2_path():
-  from jaxsys.models import pretrained
+  from jaxsys.models.llm.interop import pretrained
   path = pretrained.find(SMOLLM2)
   if path is None:
     pytest.skip(f"SmolLM2-135M-Instruct is not installed: run `jaxsys fetch {SMOLLM2}`")
@@ -79,7 +79,7 @@ def _smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
   """The real SmolLM2 tokenizer (from the GGUF; converted once, then read from the cache)."""
-  from jaxsys.models.gguf import load_tokenizer
+  from jaxsys.models.llm.interop.gguf import load_tokenizer
   return load_tokenizer(_smollm2_path())
 
 

@@ -1,5 +1,5 @@
 """The accelerator jobs, prepared on CPU: carrying the model in parts (split, stash, re-join with
-checksums, install where ``jaxsys.models.pretrained`` finds it), the named assets the jobs bring back
+checksums, install where ``jaxsys.models.llm.interop.pretrained`` finds it), the named assets the jobs bring back
 (``jaxsys.assets``: gates, drafters), the gates job's ``--smoke`` run, the TLT job's plumbing around
 the tlt experiment, and the runner's budget (``experiments.accel``)."""
 
@@ -15,7 +15,7 @@ import pytest
 import jaxsys.assets as A
 from experiments import carry
 from jaxsys.core.errors import InputError
-from jaxsys.models import pretrained as P
+from jaxsys.models.llm.interop import pretrained as P
 
 # ----------------------------------------------------------------------------- carry
 
@@ -117,7 +117,7 @@ def test_drafter_asset_round_trip(tmp_path):
 
   from experiments.accel_tlt import drafter_arrays, drafter_from_asset
   from jaxsys.models import DecoderConfig
-  from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
   cfg = DecoderConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)
   d = EagleDrafter(DrafterConfig.for_target(cfg, draft_vocab=16), rngs=nnx.Rngs(3))
   d.set_draft_vocab(np.arange(16) * 5)
@@ -161,7 +161,7 @@ def test_tlt_job_drives_the_experiment_and_ships_its_drafter(tmp_path, tokenizer
   from experiments import _tlt_smollm2 as T
   from experiments import accel_tlt
   from jaxsys.core.results import Row, write_result
-  from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
   from jaxsys.speculative.online import load_drafter, save_drafter
   seen = []
 

@@ -119,3 +119,16 @@ def test_private_name_check_can_fail():
   assert _private_uses("from jaxsys._lazy import x\nimport jaxsys.core._c") == [
       "from jaxsys._lazy import x", "jaxsys.core._c"]
   assert _private_uses("import os\nos.__name__\n_local = 1\nt._replace(a=1)") == []
+
+
+def test_moved_model_modules_keep_their_import_paths():
+  """``jaxsys.models`` is one subpackage per family; each module's former path still imports (an
+  alias of its new home, with the same objects), ``from ... import`` and attribute access alike."""
+  import jaxsys.models as M
+  for old, new in M.MOVED.items():
+    alias, real = importlib.import_module(f"jaxsys.models.{old}"), importlib.import_module(f"jaxsys.models.{new}")
+    names = getattr(real, "__all__", [])
+    assert names and all(getattr(alias, n) is getattr(real, n) for n in names), old
+  ns = {}
+  exec("from jaxsys.models.decoder import Decoder\nfrom jaxsys.models import gguf", ns)  # noqa: S102
+  assert ns["Decoder"] is M.Decoder and ns["gguf"].from_gguf is M.from_gguf

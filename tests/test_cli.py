@@ -157,7 +157,7 @@ def test_readme_serve_section_runs(tmp_path):
   import socket
   import time
   import urllib.request
-  from jaxsys.models import pretrained
+  from jaxsys.models.llm.interop import pretrained
   if pretrained.find("smollm2-135m-instruct") is None:
     pytest.skip("SmolLM2 not installed: run `jaxsys fetch smollm2-135m-instruct`")
   readme = (ROOT / "README.md").read_text()

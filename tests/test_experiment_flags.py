@@ -126,7 +126,7 @@ def test_dtype_flag_runs_the_model_in_that_compute_dtype():
 
   from experiments._cli import with_compute_dtype
   from jaxsys.models import DecoderConfig
-  from jaxsys.models.decoder import random_model
+  from jaxsys.models.llm.decoder import random_model
   cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, max_position_embeddings=64)
   model = random_model(cfg, seed=0)

@@ -301,7 +301,7 @@ def test_one_on_device_decode_loop():
 
 CROSS_ENTROPY = {"softmax_cross_entropy_with_integer_labels", "softmax_cross_entropy", "log_softmax"}
 NODE_LOSS = "jaxsys/graphs/node_loss.py"  # the one masked node cross-entropy
-GRAPH_STACK = ("jaxsys.graphs", "jaxsys.models.gnn", "jaxsys.models.graph", "jaxsys.parallel.graph",
+GRAPH_STACK = ("jaxsys.graphs", "jaxsys.models.graph.gnn", "jaxsys.models.graph", "jaxsys.parallel.graph",
                "jaxsys.nn.graph", "jaxsys.ops.graph_attn", "jaxsys.ops.quantized_agg")
 # where the five copies lived: (package root, file name), found by name so a move keeps them
 FORMER_COPIES = (("jaxsys/models", "gnn.py"), ("jaxsys/models", "graph_transformer.py"),
@@ -339,7 +339,7 @@ def test_one_masked_node_cross_entropy():
   assert not missing, "former copies that no longer call masked_node_cross_entropy: " + ", ".join(missing)
 
 
-NODE_LOOP = "run_node_training"  # jaxsys/models/node_classification.py: the one loop
+NODE_LOOP = "run_node_training"  # jaxsys/models/graph/node_classification.py: the one loop
 
 
 def node_training_loops(tree: ast.AST) -> list[tuple[int, str]]:
@@ -365,7 +365,7 @@ def _imports_graph_stack(tree: ast.AST) -> bool:
 
 def test_one_node_classification_loop():
   """The graph models' recipes (GNN / A2Q, graph transformer, Sylvie) train on
-  ``jaxsys.models.node_classification.run_node_training``: no model module on the graph stack
+  ``jaxsys.models.graph.node_classification.run_node_training``: no model module on the graph stack
   compiles its own step loop or builds a train step it does not run there."""
   own = ast.parse("from jaxsys.graphs import node_loss\nstep = make_train_step(f, tx)\n"
                   "out = jax.lax.scan(body, s, xs)\n")

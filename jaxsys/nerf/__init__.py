@@ -3,7 +3,7 @@
 ``grids`` (DVGO dense grids, density activation, occupancy mask), ``rays`` (camera rays,
 box sampling, view encoding), ``packing`` (bucketed TP/TCP over ``jaxsys.ops.tcp``),
 ``render`` (volume compositing, PSNR, SSIM), ``energy`` (MAC/AC counts, pJ). The model that
-puts them together is ``jaxsys.models.spiking_nerf``.
+puts them together is ``jaxsys.models.nerf.spiking_nerf``.
 """
 
 from jaxsys._lazy import lazy_exports

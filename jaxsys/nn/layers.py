@@ -7,7 +7,7 @@ activations are constrained by logical name through :func:`constrain`, so one ru
 * RMSNorm (Zhang & Sennrich, 2019): ``y = w * x / sqrt(mean(x^2) + eps)``, computed in float32.
 * SwiGLU MLP (Shazeer, 2020): ``down(silu(x W_gate) * (x W_up))``.
 * :class:`DecodeWeight`: a linear map stored for memory-bound decode (float32, bfloat16 or
-  weight-only int8 with per-output-channel scales); ``jaxsys.models.decoder.pack_for_decode``
+  weight-only int8 with per-output-channel scales); ``jaxsys.models.llm.decoder.pack_for_decode``
   swaps a model's matrices for fused ones of this kind.
 """
 

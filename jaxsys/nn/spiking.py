@@ -19,7 +19,7 @@ Usage::
   n = spike_count(spikes, valid)             # spikes on valid (time, batch) entries only
 
 :class:`SpikingLinear` is ``Linear (no bias) -> LIF``; a stack of them is the spiking colour
-MLP of ``jaxsys.models.spiking_nerf``, whose spike counts feed ``jaxsys.nerf.energy``.
+MLP of ``jaxsys.models.nerf.spiking_nerf``, whose spike counts feed ``jaxsys.nerf.energy``.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
-from jaxsys.models.decoder import Decoder, replace_config
+from jaxsys.models.llm.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.core.mesh import RULE_SETS, auto_mesh
 from jaxsys.train import apply_optax, place_batch, place_params

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import Decoder
+from jaxsys.models.llm.decoder import Decoder
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.train import make_train_step
 

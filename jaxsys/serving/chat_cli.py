@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models.pretrained import DEFAULT_MODEL
+from jaxsys.models.llm.interop.pretrained import DEFAULT_MODEL
 from jaxsys.serving.cli_common import (CLI_MAX_TOKENS, add_model_args, add_sampling_args, load_model,
                                        sampling_params, with_system)
 

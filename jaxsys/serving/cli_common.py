@@ -22,7 +22,7 @@ import importlib.util
 from pathlib import Path
 
 from jaxsys.core.errors import InputError
-from jaxsys.models.pretrained import DEFAULT_MODEL
+from jaxsys.models.llm.interop.pretrained import DEFAULT_MODEL
 
 __all__ = ["CLI_MAX_TOKENS", "DTYPES", "SERVE_MODULES", "add_model_args", "add_sampling_args", "load_model",
            "missing_extra", "sampling_params", "with_system"]
@@ -98,12 +98,12 @@ def load_model(name: str, dtype: str | None = None):
   naming ``--model`` when it is none of the accepted kinds."""
   import jax.numpy as jnp  # noqa: PLC0415
   dt = jnp.dtype(dtype or "float32")
-  from jaxsys.models.pretrained import MODELS  # noqa: PLC0415
+  from jaxsys.models.llm.interop.pretrained import MODELS  # noqa: PLC0415
   if name in MODELS:
     from jaxsys.models import load_pretrained  # noqa: PLC0415
     return load_pretrained(name, dtype=dt)
   if name.endswith(".gguf"):
-    from jaxsys.models.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
+    from jaxsys.models.llm.interop.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
     if not Path(name).is_file():
       raise InputError(f"--model {name}: no such .gguf file")
     return from_gguf(name, dt), load_tokenizer(name)
@@ -111,8 +111,8 @@ def load_model(name: str, dtype: str | None = None):
     from jaxsys.models import load_tiny_lm  # noqa: PLC0415
     return load_tiny_lm(), None
   if name == "random":
-    from jaxsys.models._decoder_config import DecoderConfig  # noqa: PLC0415
-    from jaxsys.models.decoder import random_model  # noqa: PLC0415
+    from jaxsys.models.llm._decoder_config import DecoderConfig  # noqa: PLC0415
+    from jaxsys.models.llm.decoder import random_model  # noqa: PLC0415
     return random_model(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                                       num_heads=4, num_kv_heads=2), seed=0), None
   folder = Path(name)
@@ -120,6 +120,6 @@ def load_model(name: str, dtype: str | None = None):
     raise InputError(f"--model {name!r} is not a registered model ({sorted(MODELS)}), a .gguf file, a "
                      f"Hugging Face checkpoint folder (with config.json) or one of {list(_PLAIN)}")
   from jaxsys.models import from_pretrained  # noqa: PLC0415
-  from jaxsys.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from jaxsys.models.llm.interop.tokenizer import Tokenizer  # noqa: PLC0415
   tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
   return from_pretrained(folder, dt), tokenizer

@@ -6,7 +6,7 @@
       [--lora r=16,alpha=32] [--mesh data=4,model=2 --rules fsdp] [--steps 200] [--lr 1e-4]
   jaxsys chat --model tuned/hf
 
-``--data``: one ``{"messages": [...]}`` chat per line (``jaxsys.models.sft``: the loss is on
+``--data``: one ``{"messages": [...]}`` chat per line (``jaxsys.models.llm.sft``: the loss is on
 assistant turns only; a malformed line stops the run with its line number and field). Chats are
 packed into ``--seq-len`` rows; ``--batch-size`` rows per step.
 
@@ -79,9 +79,9 @@ def _mesh(text):
 
 
 def run(args) -> dict:
-  from jaxsys.models import sft
-  from jaxsys.models.gguf import save_gguf
-  from jaxsys.models.hf import save_lora_adapters, save_pretrained
+  from jaxsys.models.llm import sft
+  from jaxsys.models.llm.interop.gguf import save_gguf
+  from jaxsys.models.llm.interop.hf import save_lora_adapters, save_pretrained
   from jaxsys.nn.lora import LoRAConfig, merge_lora
   from jaxsys.serving.cli_common import load_model
   from jaxsys.train import TrainConfig
@@ -115,7 +115,7 @@ def run(args) -> dict:
 
 
 def _source_gguf(name: str):
-  from jaxsys.models.pretrained import MODELS, find
+  from jaxsys.models.llm.interop.pretrained import MODELS, find
   return find(name) if name in MODELS else None
 
 

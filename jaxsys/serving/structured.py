@@ -74,7 +74,7 @@ _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
-  """llguidance's view of ``tokenizer`` (a :class:`jaxsys.models.tokenizer.Tokenizer`) over the model's
+  """llguidance's view of ``tokenizer`` (a :class:`jaxsys.models.llm.interop.tokenizer.Tokenizer`) over the model's
   ``vocab_size`` ids, ending at ``eos_ids``, built once per tokenizer (~0.5 s for 49K tokens; its
   tokenizers JSON alone takes ~25 ms to serialise, too long for every request)."""
   backend = getattr(tokenizer, "backend", None)

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models.drafter import check_compatible
+from jaxsys.models.llm.drafter import check_compatible
 from jaxsys.speculative import decode as dec
 from jaxsys.speculative import fused
 from jaxsys.speculative import lookup
@@ -552,5 +552,5 @@ def _copy(model):
 
 
 def _dummy_drafter_cfg(model_config):
-  from jaxsys.models.drafter import DrafterConfig
+  from jaxsys.models.llm.drafter import DrafterConfig
   return DrafterConfig.for_target(model_config)

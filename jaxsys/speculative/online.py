@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
 from jaxsys.train import make_train_step
 
 __all__ = ["DrafterBuffer", "DrafterTrainer", "load_drafter", "save_drafter", "SpotTrainer"]

@@ -1,6 +1,6 @@
 """Detection building blocks for DATE: boxes (IoU, GIoU, NMS), assignment (FCOS, POTO), losses.
 
-The model (backbone, FPN, dual head, train loss, NMS-free decoding) is ``jaxsys.models.date``;
+The model (backbone, FPN, dual head, train loss, NMS-free decoding) is ``jaxsys.models.vision.date``;
 the procedural data set is ``jaxsys.data.shapes``; COCO-style AP is ``jaxsys.eval.detection``.
 """
 

@@ -9,7 +9,7 @@ from scipy import stats
 
 from jaxsys.decoding.sampling import SamplingParams, target_probs
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.serving import ServingConfig, ServingEngine
 from jaxsys.serving.generation import generate
 

@@ -10,7 +10,7 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.decoding import core
 from jaxsys.decoding.cache import KVCache
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm.decoder import random_model
 
 CFG = DecoderConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, max_position_embeddings=64)

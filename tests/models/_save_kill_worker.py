@@ -23,7 +23,7 @@ import traceback
 
 import numpy as np
 
-from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.models.llm._decoder_config import DecoderConfig
 
 CONFIG = DecoderConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2,
                        num_heads=2, num_kv_heads=1, head_dim=8)
@@ -33,7 +33,7 @@ _IO_MODULES = ("posix", "nt", "io", "_io")
 
 def weights(config: DecoderConfig, seed: int) -> dict[str, np.ndarray]:
   """Random HF-named f32 weights for ``config`` (numpy only)."""
-  from jaxsys.models.hf import _weight_map  # noqa: PLC0415
+  from jaxsys.models.llm.interop.hf import _weight_map  # noqa: PLC0415
   rng = np.random.default_rng(seed)
   return {name: rng.standard_normal(shape).astype(np.float32)
           for name, (_, shape, _, _) in _weight_map(config).items()}
@@ -45,7 +45,7 @@ def is_moment(event: str, arg) -> bool:
 
 
 def _child(path: str, k: int):
-  import jaxsys.models.hf as hf  # noqa: PLC0415
+  import jaxsys.models.llm.interop.hf as hf  # noqa: PLC0415
   model = hf.load_state_dict(CONFIG, weights(CONFIG, NEW_SEED))
   count = 0
 
@@ -64,7 +64,7 @@ def _child(path: str, k: int):
 
 def main():
   path = sys.argv[1]
-  import jaxsys.models.hf  # noqa: F401, PLC0415  (imported once, before the forks)
+  import jaxsys.models.llm.interop.hf  # noqa: F401, PLC0415  (imported once, before the forks)
   for line in sys.stdin:
     pid = os.fork()
     if pid == 0:

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import make_mesh
 from jaxsys.data.shapes import ShapesConfig, make_shapes
-from jaxsys.models.date import DATE, DATEConfig, make_date_train_step
+from jaxsys.models.vision.date import DATE, DATEConfig, make_date_train_step
 
 TINY = dict(image_size=32, widths=(8, 8, 16, 16), fpn_channels=16, head_convs=1, num_classes=3)
 
@@ -106,7 +106,7 @@ def test_data_parallel_step_matches_single_device(trained, batch, devices):
 
 def test_train_detector_on_explicit_jax_make_mesh():
   """Data parallelism on a ``jax.make_mesh`` mesh (Explicit axes, JAX's default)."""
-  from jaxsys.models.date import train_detector
+  from jaxsys.models.vision.date import train_detector
   data = make_shapes(ShapesConfig(image_size=32, num_classes=3, max_objects=3, min_size=6, max_size=16),
                      seed=5, count=16)
   mesh = jax.make_mesh((8,), ("data",))

@@ -8,8 +8,8 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import (DrafterConfig, EagleDrafter, check_compatible, drafter_loss,
+from jaxsys.models.llm.decoder import random_model
+from jaxsys.models.llm.drafter import (DrafterConfig, EagleDrafter, check_compatible, drafter_loss,
                                    top_token_ids)
 from jaxsys.speculative import online
 

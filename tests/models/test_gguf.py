@@ -12,7 +12,7 @@ from flax import nnx
 
 import jaxsys.models as M
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models import gguf as G
+from jaxsys.models.llm.interop import gguf as G
 from jaxsys.nn.rope import RopeConfig
 
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 11))
@@ -295,7 +295,7 @@ def test_bad_head_count_and_non_finite_weights(tmp_path):
 def _byte_level_gguf(path, pre):
   """Tokenizer metadata only: the 256-byte alphabet, a few merges, two CONTROL tokens and one
   USER_DEFINED token, split rule ``pre``."""
-  from jaxsys.models.tokenizer import bytes_to_unicode
+  from jaxsys.models.llm.interop.tokenizer import bytes_to_unicode
   alphabet = list(bytes_to_unicode().values())
   merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "Ġ Ġ", "ĠĠ Ġ", "' s"]
   tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_end|>", "<think>"]

@@ -6,7 +6,7 @@ from flax import nnx
 
 from jaxsys import graphs
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
-from jaxsys.models.gnn import (GNN, GNNConfig, GNNTrainConfig, NodeData, compression_ratio,
+from jaxsys.models.graph.gnn import (GNN, GNNConfig, GNNTrainConfig, NodeData, compression_ratio,
                                feature_quantizers, train_gnn)
 from jaxsys.nn.quantized import A2QConfig
 from jaxsys.ops import quantized_aggregate
@@ -104,7 +104,7 @@ def test_sylvie_on_the_loop_equals_its_steps_run_from_python(devices):
   accuracies, on 2 devices with 1-bit exchange and staleness 1."""
   import jax
   from jaxsys.core.mesh import make_mesh
-  from jaxsys.models.gnn import train_sylvie
+  from jaxsys.models.graph.gnn import train_sylvie
   from jaxsys.parallel.graph_comm import (SylvieConfig, SylvieTrainer, build_partition_plan,
                                           init_gcn_params)
   g = graphs.sbm_graph(48, num_classes=3, num_features=8, avg_degree=4, seed=2)

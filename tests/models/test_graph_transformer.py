@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxsys import graphs as G
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
+from jaxsys.models.graph.graph_transformer import (GCN, GraphTransformer, GraphTransformerConfig,
                                              _sparse_attention_dropout, add_virtual_node,
                                              laplacian_pe, train_graph_transformer)
 from jaxsys.ops.graph_attn import graph_attention

@@ -76,7 +76,7 @@ def test_unsupported_config_fields_raise(tmp_path, field, value, match):
 
 
 def test_bad_weights_name_the_key(tmp_path):
-  from jaxsys.models import _safetensors as st
+  from jaxsys.models.llm.interop import _safetensors as st
   hf = U.hf_model("llama_gqa_llama3")
   model = M.from_hf_model(hf)
   good = M.hf_state_dict(model)

@@ -1,4 +1,4 @@
-"""The one node-classification loop (``jaxsys.models.node_classification.run_node_training``)
+"""The one node-classification loop (``jaxsys.models.graph.node_classification.run_node_training``)
 against the same steps run one by one from Python."""
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.models.node_classification import run_node_training
+from jaxsys.models.graph.node_classification import run_node_training
 
 # a toy "training": state w float32[3] moves by the step's input; the "val accuracy" is a bump
 # that rises, falls and rises again to the same height (a tie: the first best must win)

@@ -1,4 +1,4 @@
-"""SFT on chats (``jaxsys.models.sft``) and ``jaxsys finetune``: the assistant-only loss mask with
+"""SFT on chats (``jaxsys.models.llm.sft``) and ``jaxsys finetune``: the assistant-only loss mask with
 SmolLM2's real chat template, packing, malformed lines named, and the command end to end (LoRA,
 resume, HF export with tokenizer files that ``jaxsys chat``'s loader reads back)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxsys.core.errors import InputError
-from jaxsys.models import sft
+from jaxsys.models.llm import sft
 
 CHATS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
@@ -20,8 +20,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  from jaxsys.models.gguf import load_tokenizer
-  from jaxsys.models.pretrained import model_path
+  from jaxsys.models.llm.interop.gguf import load_tokenizer
+  from jaxsys.models.llm.interop.pretrained import model_path
   return load_tokenizer(model_path("smollm2-135m-instruct"))
 
 
@@ -70,7 +70,7 @@ def test_finetune_command_with_lora_resumes_and_exports(tmp_path, tokenizer, cap
   import jax.numpy as jnp
 
   from jaxsys.models import DecoderConfig, random_model
-  from jaxsys.models.hf import save_pretrained
+  from jaxsys.models.llm.interop.hf import save_pretrained
   from jaxsys.serving import finetune_cli
   from jaxsys.serving.cli_common import load_model
   cfg = DecoderConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,

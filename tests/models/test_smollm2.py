@@ -20,7 +20,7 @@ import pytest
 
 import jaxsys.models as M
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models import pretrained as P
+from jaxsys.models.llm.interop import pretrained as P
 
 NAME = "smollm2-135m-instruct"
 
@@ -265,7 +265,7 @@ def test_command_line(tmp_path, monkeypatch, capsys):
   assert P.main(["fetch", NAME]) == 0
   assert capsys.readouterr().out.strip() == str(tmp_path / "x.gguf")
   # The module runs on its own, and refuses unknown names.
-  r = subprocess.run([sys.executable, "-m", "jaxsys.models.pretrained", "fetch", "nope"],
+  r = subprocess.run([sys.executable, "-m", "jaxsys.models.llm.interop.pretrained", "fetch", "nope"],
                      capture_output=True, text=True, timeout=60)
   assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr
 
@@ -284,8 +284,8 @@ def test_tokenizer_matches_transformers(smol, tmp_path):
   """The torch-free tokenizer (built from the GGUF metadata, read back from its cache) gives
   transformers' ids and text on the held set, chat template with and without a system turn; its
   saved folder loads in AutoTokenizer with the same ids; a damaged cached copy is rebuilt."""
-  from jaxsys.models import gguf
-  from jaxsys.models.tokenizer import Tokenizer
+  from jaxsys.models.llm.interop import gguf
+  from jaxsys.models.llm.interop.tokenizer import Tokenizer
   ref = smol.transformers.AutoTokenizer.from_pretrained(str(smol.path.parent), gguf_file=smol.path.name)
   folder = gguf._tokenizer_cache_folder(smol.path)
   assert isinstance(smol.tok, Tokenizer) and (folder / "tokenizer.json").is_file()
@@ -316,7 +316,7 @@ def test_hf_export_carries_its_tokenizer(smol, tmp_path):
   """save_pretrained(..., tokenizer=) writes tokenizer.json, tokenizer_config.json (with the chat
   template) and special_tokens_map.json beside the weights: AutoTokenizer and
   AutoModelForCausalLM both load the folder, with the GGUF's ids and logits."""
-  from jaxsys.models.tokenizer import Tokenizer
+  from jaxsys.models.llm.interop.tokenizer import Tokenizer
   out = M.save_pretrained(smol.model, tmp_path / "hf", tokenizer=smol.tok)
   assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= {p.name for p in out.iterdir()}
   tf = smol.transformers

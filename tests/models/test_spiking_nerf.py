@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.data.scenes import make_scene, render_dataset
-from jaxsys.models import spiking_nerf as M
+from jaxsys.models.nerf import spiking_nerf as M
 from jaxsys.nerf import packing
 from jaxsys.nerf.grids import Box
 

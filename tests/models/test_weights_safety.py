@@ -21,8 +21,8 @@ from _multiprocess import xla_flags  # noqa: E402
 
 import jaxsys.models as M  # noqa: E402
 from jaxsys.core.errors import ConfigError, InputError  # noqa: E402
-from jaxsys.models import _safetensors as st  # noqa: E402
-from jaxsys.models import hf  # noqa: E402
+from jaxsys.models.llm.interop import _safetensors as st  # noqa: E402
+from jaxsys.models.llm.interop import hf  # noqa: E402
 
 CFG = W.CONFIG                             # the model the fault-injection worker saves
 OLD_CFG = CFG.replace(rms_norm_eps=1e-5)   # the model it saves over (another config.json)

@@ -19,7 +19,7 @@ def test_inv_freq_matches_transformers(params):
   transformers = pytest.importorskip("transformers")
   pytest.importorskip("torch")
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-  from jaxsys.models._hf_config import _rope_from_hf
+  from jaxsys.models.llm.interop._hf_config import _rope_from_hf
   cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
                                  max_position_embeddings=256, rope_parameters=dict(params))
   kind = params["rope_type"]

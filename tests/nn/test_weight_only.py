@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxsys.models as M
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.models.decoder import pack_for_decode
+from jaxsys.models.llm.decoder import pack_for_decode
 from jaxsys.nn.layers import SMALL_M, DecodeWeight, quantize_rows_int8, row_matmul
 from jaxsys.ops import attention, masks
 from jaxsys.decoding.cache import KVCache

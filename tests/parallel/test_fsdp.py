@@ -94,7 +94,7 @@ def test_pods_doc_memory_table_is_the_estimators():
 
   from flax import nnx
 
-  from jaxsys.models.decoder import Decoder
+  from jaxsys.models.llm.decoder import Decoder
   from jaxsys.nn.layers import state_bytes_per_device
   doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "pods.md").read_text()
   shapes = {"1B (Llama-3.2-1B shape)": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, tie_embeddings=True),

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxsys import graphs as G
 from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import make_mesh
-from jaxsys.models.graph_transformer import GraphTransformer, GraphTransformerConfig
+from jaxsys.models.graph.graph_transformer import GraphTransformer, GraphTransformerConfig
 from jaxsys.nn.graph import graph_inputs
 from jaxsys.parallel.graph import graph_parallel_apply, halo_exchange, plan_graph_partition
 

@@ -114,7 +114,7 @@ def test_decoder_training_step_under_sp_matches_unsharded(devices):
   from flax import nnx
 
   from jaxsys.core.mesh import make_mesh
-  from jaxsys.models.decoder import Decoder, DecoderConfig
+  from jaxsys.models.llm.decoder import Decoder, DecoderConfig
   from jaxsys.parallel import sp_attention_fn
   from jaxsys.parallel.zigzag import shifted_lm_batch
 
@@ -153,7 +153,7 @@ def test_decoder_step_under_sp_on_an_explicit_mesh(devices):
   import optax
   from flax import nnx
 
-  from jaxsys.models.decoder import Decoder, DecoderConfig
+  from jaxsys.models.llm.decoder import Decoder, DecoderConfig
   from jaxsys.parallel import sp_attention_fn
   from jaxsys.parallel.zigzag import shifted_lm_batch
 

@@ -104,7 +104,7 @@ def test_sampler_mixture_seeding_and_errors():
 
 def test_grpo_trainer_runs_on_chat_tasks():
   from jaxsys.decoding.sampling import SamplingParams
-  from jaxsys.models.decoder import DecoderConfig, random_model
+  from jaxsys.models.llm.decoder import DecoderConfig, random_model
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
   tok = CharTokenizer()
   tasks = ct.ChatTaskSampler(tok, kinds=("count", "arith"), mix=(1.0, 1.0), items=(2, 4),

@@ -8,8 +8,8 @@ from flax import nnx
 
 from jaxsys.core.bench import compile_count
 from jaxsys.core.errors import ConfigError
-from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+from jaxsys.models.llm.decoder import random_model
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
 from jaxsys.rl import grpo, policy as pol, tasks
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy

@@ -9,7 +9,7 @@ import pytest
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.decoding.sampling import SamplingParams
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.rl import grpo, policy as pol, tasks
 
 # Row 0 has two loss tokens, row 1 one (its second position is padding).

@@ -7,8 +7,8 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError
 from jaxsys.decoding.sampling import SamplingParams
-from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+from jaxsys.models.llm.decoder import random_model
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
 from jaxsys.rl import grpo, policy as pol, tasks
 from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
 from jaxsys.speculative.bandit import Strategy

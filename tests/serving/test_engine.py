@@ -10,8 +10,8 @@ from flax import nnx
 
 import jaxsys.models as M
 from jaxsys.core.errors import ConfigError
-from jaxsys.models._decoder_config import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.serving import ServingEngine, ServingConfig
 from jaxsys.serving.lserve import LServeConfig
 

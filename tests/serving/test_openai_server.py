@@ -15,9 +15,9 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxsys.models import pretrained
-from jaxsys.models._decoder_config import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm.interop import pretrained
+from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.serving import ServingConfig, ServingEngine, generate
 from jaxsys.serving.lserve import LServeConfig
 
@@ -33,7 +33,7 @@ def setup():
   path = pretrained.find("smollm2-135m-instruct")
   if path is None:
     pytest.skip(f"SmolLM2 tokenizer not installed: run `{pretrained.fetch_command('smollm2-135m-instruct')}`")
-  from jaxsys.models.gguf import load_tokenizer
+  from jaxsys.models.llm.interop.gguf import load_tokenizer
   from jaxsys.serving.openai_server import start_server
   tok = load_tokenizer(path)
   cfg = DecoderConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models._decoder_config import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.serving import ServingConfig, ServingEngine, generate
 from jaxsys.serving.lserve import LServeConfig
 from jaxsys.serving.prefix_cache import PrefixCachingAllocator, page_keys

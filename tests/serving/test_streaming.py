@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from jaxsys.core.errors import ShapeError
-from jaxsys.models._decoder_config import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.serving.streaming import StreamingGates, gated_hidden, identify_streaming_heads
 
 
@@ -115,7 +115,7 @@ def test_text_passkey_distillation_data_marks_the_key():
 def test_far_attention_scores_match_a_naive_softmax():
   """Layer 0's score equals the attention mass outside Sink | Local computed by hand from its q/k;
   a window covering every key gives 0; the ranking makes the lowest-mass heads streaming."""
-  from jaxsys.models.decoder import default_positions
+  from jaxsys.models.llm.decoder import default_positions
   from jaxsys.serving.streaming import far_attention_scores, rank_streaming_heads
   cfg = DecoderConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2)

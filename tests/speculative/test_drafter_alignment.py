@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter, drafter_loss
+from jaxsys.models.llm.decoder import random_model
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, drafter_loss
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine

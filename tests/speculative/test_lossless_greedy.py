@@ -11,8 +11,8 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter, top_token_ids
+from jaxsys.models.llm.decoder import random_model
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, top_token_ids
 from jaxsys.serving.generation import generate
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy

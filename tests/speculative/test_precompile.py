@@ -14,8 +14,8 @@ from flax import nnx
 from jax._src import dispatch  # the event name only (no public constant)
 
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+from jaxsys.models.llm.decoder import random_model
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 from jaxsys.decoding.sampling import SamplingParams

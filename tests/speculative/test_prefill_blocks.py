@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.models import DecoderConfig
-from jaxsys.models.decoder import random_model
+from jaxsys.models.llm.decoder import random_model
 from jaxsys.ops.attn import layout as layout_lib
 from jaxsys.speculative import decode as dec
 from jaxsys.speculative.engine import _dummy_drafter_cfg

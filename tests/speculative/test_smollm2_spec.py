@@ -13,8 +13,8 @@ xdist group, and the skip when the model is not installed).
 import pytest
 from flax import nnx
 
-from jaxsys.models import pretrained as P
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter, top_token_ids
+from jaxsys.models.llm.interop import pretrained as P
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, top_token_ids
 from jaxsys.serving.generation import default_stop_tokens
 from jaxsys.speculative import online
 from jaxsys.speculative.bandit import Strategy

@@ -10,7 +10,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError
 from jaxsys.core.mesh import make_mesh
 from jaxsys.models import DecoderConfig, random_model
-from jaxsys.models.drafter import DrafterConfig, EagleDrafter
+from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
 from jaxsys.speculative.bandit import Strategy
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 

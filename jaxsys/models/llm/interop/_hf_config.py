@@ -26,7 +26,7 @@ import numbers
 from typing import Any
 
 from jaxsys.core.errors import ConfigError
-from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.models.llm._decoder_config import DecoderConfig
 from jaxsys.nn.rope import RopeConfig
 
 __all__ = ["ARCH_CLASSES", "config_from_hf", "config_to_hf"]

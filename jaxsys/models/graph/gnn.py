@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
-from jaxsys.models.node_classification import run_node_training
+from jaxsys.models.graph.node_classification import run_node_training
 from jaxsys.nn.quantized import (A2QConfig, FeatureQuantizer, QuantGATConv, QuantGCNConv,
                                  QuantGINConv, QuantLinear, WeightQuantizer)
 from jaxsys.ops.quantized_agg import normalized_edges
@@ -222,7 +222,7 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
   ``val_acc``: the best validation accuracy (first epoch reaching it, ``best_step``);
   ``test_acc``/``avg_bits``/``model``: at that epoch; ``losses``: training loss per epoch;
   ``history``: ``(loss, train_acc, val_acc, test_acc, avg_bits)`` per epoch. The epochs run on
-  the one node-classification loop (``jaxsys.models.node_classification``), evaluated after each.
+  the one node-classification loop (``jaxsys.models.graph.node_classification``), evaluated after each.
   """
   if data.x.shape[1] != model.cfg.in_features:
     raise ShapeError(f"features have {data.x.shape[1]} columns, model expects "

@@ -39,8 +39,8 @@ from flax import nnx
 import numpy as np
 
 from jaxsys.core.errors import ConfigError, ShapeError, check_min, check_positive, check_range
-from jaxsys.models._decoder_config import DecoderConfig
-from jaxsys.models.decoder import DecoderLayer
+from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.decoder import DecoderLayer
 from jaxsys.nn.layers import RMSNorm, param
 
 __all__ = ["check_compatible", "drafter_loss", "DrafterConfig", "DraftVocab", "EagleDrafter",

@@ -25,12 +25,12 @@ from jaxsys.core.errors import InputError
 
 __all__ = ["exact_match", "load_tiny_lm", "TINY_LM_PATH"]
 
-TINY_LM_PATH = Path(__file__).resolve().parents[1] / "assets" / "tiny_lm"
+TINY_LM_PATH = Path(__file__).resolve().parents[2] / "assets" / "tiny_lm"
 
 
 def load_tiny_lm(path: str | Path | None = None, dtype=None, **config_changes):
   """Loads the shipped tiny LM (``config_changes`` e.g. ``rope=RopeConfig(...)`` for scaling)."""
-  from jaxsys.models.hf import from_pretrained
+  from jaxsys.models.llm.interop.hf import from_pretrained
   path = Path(path or TINY_LM_PATH)
   if not (path / "config.json").exists():
     raise InputError(f"the tiny LM checkpoint is missing at {path}; train it with "

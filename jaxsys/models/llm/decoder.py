@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.models._decoder_config import DecoderConfig
+from jaxsys.models.llm._decoder_config import DecoderConfig
 from jaxsys.nn.attention import Attention, default_attention_fn
 from jaxsys.nn.explicit import explicit_ok
 from jaxsys.nn.layers import DECODE_FORMATS, DecodeWeight, Embed, RMSNorm, SwiGLU, constrain, param

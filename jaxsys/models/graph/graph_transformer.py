@@ -50,7 +50,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
-from jaxsys.models.node_classification import run_node_training
+from jaxsys.models.graph.node_classification import run_node_training
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
 from jaxsys.ops.graph_attn import segment_softmax
 
@@ -326,7 +326,7 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
   ``l2`` adds ``l2 * w`` to every gradient (coupled L2 as in the GCN/GAT reference code; AdamW's
   decoupled ``weight_decay`` is scaled by ``lr`` and is far weaker at the same value).
   ``dense_schedule(step) -> bool`` picks dense steps (dual-interleaved attention). The run is
-  the one node-classification loop (``jaxsys.models.node_classification``): every step and
+  the one node-classification loop (``jaxsys.models.graph.node_classification``): every step and
   every ``eval_every``-th evaluation in one compiled ``lax.scan``. ``step_ms`` is the run's mean
   wall time per step (evaluations included, compilation excluded). ``progress``: a tqdm bar (on
   stderr) that the compiled run advances at every evaluation, with the loss and val accuracy.

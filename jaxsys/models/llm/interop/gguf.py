@@ -4,7 +4,7 @@
   package and dequantizes every tensor to float (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   the K-quants Q2_K..Q6_K, and whatever else :func:`gguf.quants.dequantize` implements).
 * :func:`load_tokenizer` builds the tokenizer stored in the same file, chat template included
-  (:class:`jaxsys.models.tokenizer.Tokenizer`: the ``tokenizers`` library and jinja2, no torch), and
+  (:class:`jaxsys.models.llm.interop.tokenizer.Tokenizer`: the ``tokenizers`` library and jinja2, no torch), and
   caches it under ``$JAXSYS_HOME/tokenizers``.
 * :func:`save_gguf` writes a GGUF (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q5_1``, ``q5_0``,
   ``q4_1``, ``q4_0``) that llama.cpp tools and
@@ -14,14 +14,14 @@
 Usage::
 
   model = jaxsys.models.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")          # float32
-  tok = jaxsys.models.gguf.load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
+  tok = jaxsys.models.llm.interop.gguf.load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
   jaxsys.models.save_gguf(model, "tuned.gguf", dtype="q8_0", tokenizer="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 Layout (llama.cpp conventions):
 
 * Tensor names are llama.cpp's (``token_embd``, ``blk.N.attn_q``, ``blk.N.ffn_gate``, ...); each
   maps one to one onto a Hugging Face name, and the weights go through
-  :func:`jaxsys.models.hf.load_state_dict`, so placement and shape checks are the HF path's.
+  :func:`jaxsys.models.llm.interop.hf.load_state_dict`, so placement and shape checks are the HF path's.
 * ggml lists dimensions fastest-first: a tensor of ggml shape ``[ne0=in, ne1=out]`` is the
   row-major ``[out, in]`` matrix of the HF checkpoint.
 * For the ``llama`` architecture llama.cpp's converter permutes the rows of Q and K (and of their
@@ -50,10 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.models._decoder_config import DecoderConfig
-from jaxsys.models._hf_config import ARCH_CLASSES, config_from_hf, config_to_hf
-from jaxsys.models.decoder import Decoder
-from jaxsys.models.hf import _weight_map, _with_dtype, hf_state_dict, load_state_dict
+from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.interop._hf_config import ARCH_CLASSES, config_from_hf, config_to_hf
+from jaxsys.models.llm.decoder import Decoder
+from jaxsys.models.llm.interop.hf import _weight_map, _with_dtype, hf_state_dict, load_state_dict
 from jaxsys.nn.rope import RopeConfig, inv_frequencies
 
 __all__ = ["from_gguf", "save_gguf", "load_tokenizer", "config_from_gguf", "READ_ARCHS",
@@ -373,7 +373,7 @@ def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Calla
 
 
 def load_tokenizer(path: str | os.PathLike, *, cache: bool = True):
-  """The :class:`~jaxsys.models.tokenizer.Tokenizer` (with its chat template) stored in a GGUF file.
+  """The :class:`~jaxsys.models.llm.interop.tokenizer.Tokenizer` (with its chat template) stored in a GGUF file.
 
   Built from the ``tokenizer.*`` metadata with the ``tokenizers`` library; no torch, no
   ``transformers``. Parsing the metadata of a large vocabulary takes seconds, so with ``cache`` the
@@ -382,7 +382,7 @@ def load_tokenizer(path: str | os.PathLike, *, cache: bool = True):
   folder and renamed into place) and later loads read it back. A copy that does not load, or a
   cache that cannot be written, falls back to building from the file.
   """
-  from jaxsys.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from jaxsys.models.llm.interop.tokenizer import Tokenizer  # noqa: PLC0415
   path = Path(path)
   folder = _tokenizer_cache_folder(path) if cache else None
   if folder is not None and (tok := _read_cached_tokenizer(folder)) is not None:
@@ -408,14 +408,14 @@ def _tokenizer_cache_folder(path: Path) -> Path:
 
   import tokenizers  # noqa: PLC0415
 
-  from jaxsys.models.pretrained import cache_dir  # noqa: PLC0415  (pretrained imports this module)
+  from jaxsys.models.llm.interop.pretrained import cache_dir  # noqa: PLC0415  (pretrained imports this module)
   st = path.resolve().stat()
   key = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, tokenizers.__version__, _TOKENIZER_FORMAT])
   return cache_dir() / "tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _read_cached_tokenizer(folder: Path):
-  from jaxsys.models.tokenizer import Tokenizer  # noqa: PLC0415
+  from jaxsys.models.llm.interop.tokenizer import Tokenizer  # noqa: PLC0415
   if not (folder / "tokenizer.json").is_file():
     return None
   try:

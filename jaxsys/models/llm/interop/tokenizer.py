@@ -1,6 +1,6 @@
 """Text <-> token ids without torch: a ``tokenizers.Tokenizer`` (the Rust library) and a jinja2 chat template.
 
-:class:`Tokenizer` is what :func:`jaxsys.models.load_pretrained`, :func:`jaxsys.models.gguf.load_tokenizer`
+:class:`Tokenizer` is what :func:`jaxsys.models.load_pretrained`, :func:`jaxsys.models.llm.interop.gguf.load_tokenizer`
 and the CLIs hand out. It implements the part of the ``transformers`` tokenizer interface that the
 library uses, with the same ids and text as ``transformers``' tokenizer built from the same file
 (checked on a held set in tests/models/test_smollm2.py):

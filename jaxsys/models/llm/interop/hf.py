@@ -47,10 +47,10 @@ import numpy as np
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
-from jaxsys.models import _safetensors as st
-from jaxsys.models._decoder_config import DTYPES, DecoderConfig
-from jaxsys.models._hf_config import config_from_hf, config_to_hf
-from jaxsys.models.decoder import Decoder
+from jaxsys.models.llm.interop import _safetensors as st
+from jaxsys.models.llm._decoder_config import DTYPES, DecoderConfig
+from jaxsys.models.llm.interop._hf_config import config_from_hf, config_to_hf
+from jaxsys.models.llm.decoder import Decoder
 
 __all__ = ["from_pretrained", "from_hf_model", "save_pretrained", "random_model",
            "config_from_hf", "config_to_hf", "hf_state_dict", "load_state_dict", "lora_state_dict",
@@ -262,7 +262,7 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype=None,
   """Writes ``config.json`` + safetensors (sharded above ``max_shard_bytes``) for transformers.
 
   ``dtype`` (default: the model's ``param_dtype``) is one of float32 / bfloat16 / float16.
-  ``tokenizer`` (e.g. the :class:`~jaxsys.models.tokenizer.Tokenizer` of ``load_pretrained``): its
+  ``tokenizer`` (e.g. the :class:`~jaxsys.models.llm.interop.tokenizer.Tokenizer` of ``load_pretrained``): its
   ``save_pretrained`` writes ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template)
   and ``special_tokens_map.json`` into the same folder, so ``AutoTokenizer`` loads it too.
   The save is atomic: everything is written (and fsynced) into a hidden sibling directory that
