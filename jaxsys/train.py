@@ -115,6 +115,9 @@ class TrainConfig:
   # "model", replicated over "data") or "fsdp" (also each parameter's embed axis over "data");
   # jaxsys.core.mesh.RULE_SETS. The math is the same either way.
   rules: str = "tp"
+  # a parameter dimension the mesh axis its rule names does not divide (SmolLM2's 9 heads / 3 kv
+  # heads on model=2) is replicated over that axis instead of raising (jaxsys.nn.param_specs)
+  replicate_indivisible: bool = False
   # regexes over parameter paths (``layers/0/attn/wq``) that training leaves unchanged (no
   # gradient, no optimizer state); a model with LoRA adapters (jaxsys.nn.lora) trains only them.
   freeze: tuple[str, ...] = ()
@@ -389,7 +392,9 @@ def train(model, batches: Callable[[int], dict], cfg: TrainConfig, *, workdir=No
     if step is not None:
       meta = ckpt.metadata(step) or {}
       _check_resume(cfg, meta.get("train_config"), step, ckpt.directory, allow_config_change)
-      restored = ckpt.restore(step, like={"params": params, "opt_state": opt_state, "step": 0})
+      from jaxsys.nn.layers import FLAX_RENAMES  # checkpoints written before the flax names
+      restored = ckpt.restore(step, like={"params": params, "opt_state": opt_state, "step": 0},
+                              renames=FLAX_RENAMES)
       params, opt_state, start = restored["params"], restored["opt_state"], int(restored["step"])
     elif ckpt.all_steps():
       log.warning("no intact checkpoint in %s: training from step 0", ckpt.directory)
@@ -472,7 +477,7 @@ def _setup(model, cfg: TrainConfig, mesh):
   graphdef, params_state, frozen, rest = nnx.split(model, trainable_filter(model, cfg.freeze),
                                                    nnx.Param, ...)
   if mesh is not None:
-    specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules))
+    specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules, replicate_indivisible=cfg.replicate_indivisible))
     params = place_params(nnx.to_pure_dict(params_state), specs, mesh)
     nnx.replace_by_pure_dict(frozen, place_params(nnx.to_pure_dict(frozen), specs, mesh))
   else:

@@ -109,13 +109,31 @@ def tree_signature(tree) -> dict[str, list]:
   return out
 
 
+def _renamed_sources(like: dict, saved: dict, renames: dict) -> dict[str, str]:
+  """For each leaf name of ``like``, the saved leaf it is read from: itself, or ``.../old`` when
+  the checkpoint lacks ``.../new`` and ``renames[old]`` lists ``new``."""
+  out = {}
+  for name in like:
+    out[name] = name
+    if name in saved:
+      continue
+    head, _, leaf = name.rpartition("/")
+    for old, new in renames.items():
+      cand = f"{head}/{old}" if head else old
+      if leaf in tuple(new) and cand in saved:
+        out[name] = cand
+        break
+  return out
+
+
 def _compare_signatures(step: int, saved: dict, like: dict) -> None:
   missing = sorted(set(like) - set(saved))
   extra = sorted(set(saved) - set(like))
   if missing or extra:
     raise InputError(f"checkpoint step={step} has another structure than like: like has "
                      f"{missing[:4]} that the checkpoint lacks, the checkpoint has {extra[:4]} "
-                     f"that like lacks")
+                     f"that like lacks (leaves renamed since it was written: restore(..., renames=...), "
+                     f"e.g. jaxsys.nn.FLAX_RENAMES)")
   # arrays: shape and dtype must match; the shallowest leaves first (params before moments)
   bad = sorted((n for n, want in like.items() if len(want) == 2 and saved[n] != want),
                key=lambda n: (n.count("/"), n))
@@ -302,8 +320,34 @@ class Checkpointer:
 
   # -- restore -------------------------------------------------------------------------------
 
-  def restore(self, step: int | None = None, *, like: Any) -> Any:
-    """Restores ``step`` (default: the newest intact step) into the structure of ``like``."""
+  def restore(self, step: int | None = None, *, like: Any, renames: dict | None = None) -> Any:
+    """Restores ``step`` (default: the newest intact step) into the structure of ``like``.
+
+    ``renames`` (``{old leaf name: (new leaf names, ...)}``, e.g. ``jaxsys.nn.FLAX_RENAMES``)
+    reads a checkpoint written under older parameter names: a leaf of ``like`` at ``.../new``
+    that the checkpoint lacks is read from ``.../old``. Shapes and dtypes are checked as always."""
+    step = self._restorable_step(step)
+    abstract = _abstract(like)
+    saved = self._manifest(step).get("tree", {})
+    like_sig = tree_signature(abstract)
+    source = _renamed_sources(like_sig, saved, renames or {})
+    _compare_signatures(step, saved, {source[n]: sig for n, sig in like_sig.items()})
+    self._manager.reload()
+    if all(source[n] == n for n in like_sig):
+      return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    # renamed leaves: read the saved tree as written, then place each leaf where ``like`` has it
+    raw = self._manager.restore(step, args=ocp.args.StandardRestore())
+    by_name = {"/".join(_key_name(k) for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(raw)[0]}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    out = []
+    for path, want in leaves:
+      x = by_name[source["/".join(_key_name(k) for k in path)]]
+      sharding = getattr(want, "sharding", None)
+      out.append(jax.device_put(x, sharding) if sharding is not None else x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def _restorable_step(self, step: int | None) -> int:
+    """``step`` (default: the newest intact one), checked to exist and to verify."""
     self._finish_pending()
     if step is None:
       if not self.all_steps():
@@ -319,10 +363,7 @@ class Checkpointer:
       reason = self.verify(step)
       if reason is not None:
         raise InputError(f"checkpoint step={step} in {self.directory} is not intact: {reason}")
-    abstract = _abstract(like)
-    _compare_signatures(step, self._manifest(step).get("tree", {}), tree_signature(abstract))
-    self._manager.reload()
-    return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    return step
 
   def close(self):
     self._finish_pending()

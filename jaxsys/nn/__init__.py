@@ -20,7 +20,7 @@ filter ``jaxsys.train.train`` optimises (the adapters when present, minus frozen
 from jaxsys._lazy import lazy_exports
 
 _EXPORTS = {
-    "RMSNorm": "layers", "Embed": "layers", "SwiGLU": "layers", "DecodeWeight": "layers",
+    "RMSNorm": "layers", "Embed": "layers", "FLAX_RENAMES": "layers", "SwiGLU": "layers", "DecodeWeight": "layers",
     "constrain": "layers", "param": "layers", "param_specs": "layers", "shard_params": "layers",
     "RopeConfig": "rope", "apply_rope": "rope", "inv_frequencies": "rope", "rope_cos_sin": "rope",
     "Attention": "attention", "default_attention_fn": "attention",

@@ -25,9 +25,16 @@ from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logica
 from jaxsys.nn.explicit import explicit_ok
 
 __all__ = [
-    "activation_axes", "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "param", "param_specs", "quantize_rows_int8",
+    "activation_axes", "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "FLAX_RENAMES", "param", "param_specs",
+    "quantize_rows_int8",
     "RMSNorm", "row_matmul", "shard_params", "SMALL_M", "state_bytes_per_device", "SwiGLU", "take_rows",
 ]
+
+
+#: Parameter names before they followed flax's (``Embed.weight`` -> ``embedding``,
+#: ``RMSNorm.weight`` -> ``scale``): ``Checkpointer.restore(..., renames=FLAX_RENAMES)`` reads a
+#: checkpoint written under the old names (``jaxsys.train`` resumes through it).
+FLAX_RENAMES = {"weight": ("embedding", "scale")}
 
 
 def constrain(x, logical: Sequence[str | None], rules=None):
@@ -269,8 +276,8 @@ class RMSNorm(nnx.Module):
   """Root-mean-square norm over the last axis (Zhang & Sennrich, 2019).
 
   ``x [..., dim] -> [..., dim]``: ``scale * x / sqrt(mean(x^2) + eps)``; statistics in float32,
-  output in ``dtype`` (default: x's dtype). Parameter ``weight [dim]`` (logical ``("embed",)``),
-  initialised to ones. Takes no ``rngs``: nothing in it is random.
+  output in ``dtype`` (default: x's dtype). Parameter ``scale [dim]`` (logical ``("embed",)``,
+  flax's name), initialised to ones. Takes no ``rngs``: nothing in it is random.
 
   Example::
 
@@ -280,7 +287,7 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None, param_dtype=jnp.float32):
     self.dim, self.eps, self.dtype = dim, float(eps), dtype
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("embed",))
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("embed",))
 
   @explicit_ok
   def __call__(self, x):
@@ -289,11 +296,12 @@ class RMSNorm(nnx.Module):
     dtype = self.dtype or x.dtype
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...].astype(dtype) * normed.astype(dtype)
+    return self.scale[...].astype(dtype) * normed.astype(dtype)
 
 
 class Embed(nnx.Module):
-  """Token embedding table ``weight [vocab, embed]`` (logical ``("vocab", "embed")``).
+  """Token embedding table ``embedding [vocab, embed]`` (logical ``("vocab", "embed")``; flax's
+  name, as in ``nnx.Embed``).
 
   ``tokens int[...] -> [..., embed]`` in ``dtype``; ``attend(h [..., embed]) -> [..., vocab]``
   multiplies by the table's transpose (a tied LM head).
@@ -308,28 +316,28 @@ class Embed(nnx.Module):
   def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
     self.vocab, self.dim, self.dtype = vocab, dim, dtype
-    self.weight = param(rngs, (vocab, dim), ("vocab", "embed"), dtype=param_dtype)
-    self.packed: DecodeWeight | None = None  # bf16/int8 rows replacing ``weight`` (decode)
+    self.embedding = param(rngs, (vocab, dim), ("vocab", "embed"), dtype=param_dtype)
+    self.packed: DecodeWeight | None = None  # bf16/int8 rows replacing ``embedding`` (decode)
 
   def pack(self, fmt: str):
     """bf16/int8 rows (:class:`DecodeWeight`) for both the lookup and the tied head; float32
-    keeps ``weight`` (the f32 head is already a gemv over ``[vocab, embed]``)."""
-    self.packed = nnx.data(DecodeWeight.from_rows(self.weight[...], fmt, logical=("vocab", "embed")))
-    self.weight = None
+    keeps ``embedding`` (the f32 head is already a gemv over ``[vocab, embed]``)."""
+    self.packed = nnx.data(DecodeWeight.from_rows(self.embedding[...], fmt, logical=("vocab", "embed")))
+    self.embedding = None
 
   @explicit_ok
   def __call__(self, tokens):
     if self.packed is not None:
       out = self.packed.rows_at(tokens).astype(self.dtype)
     else:
-      out = take_rows(self.weight[...], tokens).astype(self.dtype)  # [..., embed]
+      out = take_rows(self.embedding[...], tokens).astype(self.dtype)  # [..., embed]
     return constrain(out, activation_axes(out.ndim, "embed"))
 
   @explicit_ok
   def attend(self, h):
     if self.packed is not None:
       return self.packed(h)  # [..., vocab] float32
-    return jnp.einsum("...d,vd->...v", h, self.weight[...].astype(h.dtype))  # [..., vocab]
+    return jnp.einsum("...d,vd->...v", h, self.embedding[...].astype(h.dtype))  # [..., vocab]
 
 
 class SwiGLU(nnx.Module):

@@ -69,7 +69,8 @@ def cached_policy(path: str, *, steps: int = 300, config: DecoderConfig | None =
   gdef, abs_state = nnx.split(abstract)
   with Checkpointer(path, max_to_keep=1) as ckpt:
     if ckpt.latest_intact_step() is not None:
-      return nnx.merge(gdef, ckpt.restore(like=abs_state))
+      from jaxsys.nn.layers import FLAX_RENAMES
+      return nnx.merge(gdef, ckpt.restore(like=abs_state, renames=FLAX_RENAMES))
     model, _ = pretrain_policy(config, steps=steps, seed=seed)
     ckpt.save(0, nnx.state(model), overwrite=True)
   return model

@@ -206,5 +206,6 @@ def load_drafter(path, config: DrafterConfig, step: int | None = None) -> EagleD
   abstract = nnx.eval_shape(lambda: EagleDrafter(config, rngs=nnx.Rngs(0)))
   gdef, abs_state = nnx.split(abstract)
   with Checkpointer(os.path.abspath(path), max_to_keep=None) as ckpt:
-    state = ckpt.restore(step, like=abs_state)
+    from jaxsys.nn.layers import FLAX_RENAMES
+    state = ckpt.restore(step, like=abs_state, renames=FLAX_RENAMES)
   return nnx.merge(gdef, state)

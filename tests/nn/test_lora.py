@@ -87,7 +87,7 @@ def test_freeze_by_path():
   cfg = T.TrainConfig(**{**TRAIN.__dict__, "total_steps": 2, "freeze": (r"^embed_tokens", r"layers/0/")})
   T.train(model, batches, cfg, progress=False)
   after = _params(model)
-  np.testing.assert_array_equal(after["embed_tokens"]["weight"], before["embed_tokens"]["weight"])
+  np.testing.assert_array_equal(after["embed_tokens"]["embedding"], before["embed_tokens"]["embedding"])
   for a, b in zip(jax.tree.leaves(after["layers"][0]), jax.tree.leaves(before["layers"][0])):
     np.testing.assert_array_equal(a, b)
   assert not np.array_equal(after["layers"][1]["attn"]["wq"], before["layers"][1]["attn"]["wq"])

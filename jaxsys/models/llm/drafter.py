@@ -128,7 +128,7 @@ def _head_rows(target, ids):
   """The target's LM-head rows for token ``ids`` (``[K, embed]``), or None for a packed head."""
   if target.lm_head is None:
     emb = target.embed_tokens
-    return None if getattr(emb, "packed", None) is not None else emb.weight[...][ids]
+    return None if getattr(emb, "packed", None) is not None else emb.embedding[...][ids]
   if isinstance(target.lm_head, nnx.Variable):
     return target.lm_head[...][:, ids].T  # [embed, vocab] -> [K, embed]
   return None

@@ -82,15 +82,15 @@ def _weight_map(c: DecoderConfig):
     return (lambda x: x.reshape(n, hd), lambda x: x.reshape(n * hd))
 
   out_proj = (lambda x: x.T.reshape(h, hd, d), lambda x: x.reshape(h * hd, d).T)
-  m: dict[str, tuple] = {"model.embed_tokens.weight": (("embed_tokens", "weight"), (v, d), *same),
-                         "model.norm.weight": (("final_norm", "weight"), (d,), *same)}
+  m: dict[str, tuple] = {"model.embed_tokens.weight": (("embed_tokens", "embedding"), (v, d), *same),
+                         "model.norm.weight": (("final_norm", "scale"), (d,), *same)}
   if not c.tie_embeddings:
     m["lm_head.weight"] = (("lm_head",), (v, d), *transpose)
   for i in range(c.num_layers):
     p = f"model.layers.{i}."
     lp = ("layers", i)
-    m[p + "input_layernorm.weight"] = (lp + ("attn_norm", "weight"), (d,), *same)
-    m[p + "post_attention_layernorm.weight"] = (lp + ("mlp_norm", "weight"), (d,), *same)
+    m[p + "input_layernorm.weight"] = (lp + ("attn_norm", "scale"), (d,), *same)
+    m[p + "post_attention_layernorm.weight"] = (lp + ("mlp_norm", "scale"), (d,), *same)
     m[p + "self_attn.q_proj.weight"] = (lp + ("attn", "wq"), (h * hd, d), *heads_in(h))
     m[p + "self_attn.k_proj.weight"] = (lp + ("attn", "wk"), (kv * hd, d), *heads_in(kv))
     m[p + "self_attn.v_proj.weight"] = (lp + ("attn", "wv"), (kv * hd, d), *heads_in(kv))
