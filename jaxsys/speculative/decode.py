@@ -164,8 +164,9 @@ def vanilla_step(model, state: DecodeState, cfg: DecodeConfig) -> DecodeState:
   """One target forward over the root of every running row (the baseline decode step)."""
   b = state.root.shape[0]
   L = state.cache.lengths
-  vis = jnp.ones((b, 1, 1), bool)
-  logits, h, cache = fwd.target_tree_forward(model, state.cache, state.root[:, None], L[:, None], vis)
+  # The decoding core's step (the one every vanilla decode runs: generate, serving's contiguous
+  # path, rollouts); it writes the root at row L of every row, and only running rows keep it.
+  logits, h, cache = core.step(model, state.cache, state.root[:, None])
   key, sub = jax.random.split(state.key)
   nxt = _sample(sub, logits[:, 0], state, cfg)
   active = ~state.done
