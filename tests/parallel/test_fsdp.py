@@ -85,6 +85,16 @@ def test_indivisible_dimension_is_a_clear_error_or_replicated():
   assert model.layers[0].attn.wk[...].sharding.spec[1] is None
   with pytest.raises(ConfigError, match="rules"):
     T.TrainConfig(rules="zero")
+  # train() the same: an error by default, replicated (same loss as one device) on request
+  odd = M.DecoderConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=6,
+                        num_kv_heads=3)
+  run = lambda mesh, **kw: np.array([r["loss"] for r in T.train(  # noqa: E731
+      M.random_model(odd, seed=1), batches, T.TrainConfig(**{**TRAIN.__dict__, "rules": "fsdp", **kw}),
+      mesh=mesh, progress=False).history])
+  with pytest.raises(ConfigError, match="replicate_indivisible"):
+    run(make_mesh({"data": 4, "model": 2}))
+  np.testing.assert_allclose(run(make_mesh({"data": 4, "model": 2}), replicate_indivisible=True), run(None),
+                             rtol=1e-4)
 
 
 def test_pods_doc_memory_table_is_the_estimators():
