@@ -25,12 +25,14 @@ import time
 import numpy as np
 
 from experiments._cli import reseed
+from experiments.serving import _load, _summary
 from jaxsys.core.results import Row
 
 SCHEMA = {"type": "object", "required": ["items"], "additionalProperties": False,
           "properties": {"items": {"type": "array", "minItems": 64,
                                    "items": {"type": "string", "minLength": 1, "maxLength": 6}}}}
 NAME = "smollm2-135m-instruct"
+BURST = 1e6  # requests/s: the Poisson gaps of experiments.serving._load are ~0, all sent at once
 
 
 def _model(quick: bool, seed: int):
@@ -47,23 +49,6 @@ def _model(quick: bool, seed: int):
   cfg = DecoderConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                       num_kv_heads=4, max_position_embeddings=1024, eos_token_id=tok.eos_token_id)
   return random_model(cfg, seed=reseed(3, seed)), tok
-
-
-async def _burst(url, model_name, prompts, max_tokens, extra):
-  """All requests at once; returns the seconds until the last one finished and the tokens."""
-  import openai
-  client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
-
-  async def one(prompt):
-    stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=0, stream=True, extra_body=extra)
-    return "".join([c.choices[0].text async for c in stream if c.choices])
-
-  t0 = time.perf_counter()
-  texts = await asyncio.gather(*(one(p) for p in prompts))
-  span = time.perf_counter() - t0
-  await client.close()
-  return span, texts
 
 
 def _mask_cost(tok, vocab: int, text: str) -> float:
@@ -99,19 +84,21 @@ def structured(quick: bool, config: dict, seed: int = 0) -> list[Row]:
                                               max_batch=8, num_pages=8 * 8 + 8, max_seq_len=128,
                                               max_num_batched_tokens=256, prefill_chunk=64),
                          tokenizer=tok)
-  loads = {"unconstrained": {"ignore_eos": True}, "structured": {"ignore_eos": True, "guided_json": SCHEMA}}
+  # every request of a load is sent at once (a rate no server keeps up with); ignore_eos as in
+  # every serving load (experiments.serving._exact_length)
+  loads = {"unconstrained": {}, "structured": {"guided_json": SCHEMA}}
   model_name = NAME if not quick else "random-4L-smollm2-vocab"
   server = start_server(engine, model_name)
   spans = {k: [] for k in loads}
   try:
     for extra in loads.values():  # compile both programs (with and without a mask) first
-      asyncio.run(_burst(server.url, model_name, prompts[:2], max_tokens, extra))
+      asyncio.run(_load(server.url, model_name, prompts[:2], BURST, max_tokens, seed, extra=extra))
     for _ in range(repeats):
       for name, extra in loads.items():
-        span, texts = asyncio.run(_burst(server.url, model_name, prompts, max_tokens, extra))
-        spans[name].append(span)
+        res = asyncio.run(_load(server.url, model_name, prompts, BURST, max_tokens, seed, extra=extra))
+        spans[name].append(_summary(res)["span_s"])
         if name == "structured":
-          reply = texts[0]
+          reply = res[0]["text"]
   finally:
     server.stop()
   assert reply.startswith('{"items":["'), reply[:40]  # the grammar held

@@ -83,43 +83,39 @@ def _losses(make_model, batches, steps, mesh=None, rules="fsdp", lora=None):
   return np.array([r["loss"] for r in T.train(model, batches, cfg, mesh=mesh, progress=False).history])
 
 
-def _step_costs(make_model, batch, n: int, lora=None):
+def _step_costs(make_model, batch, n: int):
   """``(argument bytes per device, collective bytes per device, trained parameter bytes)``."""
-  import jax
-  from flax import nnx
-
   from jaxsys import train as T
-  from jaxsys.nn.lora import apply_lora, trainable_filter
   from jaxsys.parallel.costs import hlo_collective_bytes
   model = make_model()
-  if lora is not None:
-    apply_lora(model, lora, rngs=nnx.Rngs(0))
   mesh = _mesh({"data": n}, "auto") if n > 1 else None
   compiled = T.lower_step(model, batch, T.TrainConfig(rules="fsdp"), mesh=mesh).compile()
-  trained = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, trainable_filter(model))))
   comm = sum(hlo_collective_bytes(compiled.as_text()).values()) if n > 1 else 0.0
-  return compiled.memory_analysis().argument_size_in_bytes, comm, trained
+  return compiled.memory_analysis().argument_size_in_bytes, comm, _trained_bytes(model)
 
 
-def _trained_bytes(make_model, lora) -> int:
-  """Bytes of the parameters ``train`` optimizes (AdamW keeps two moments of each) with ``lora``."""
+def _trained_bytes(model) -> int:
+  """Bytes of the parameters ``train`` optimizes in ``model`` (AdamW keeps two moments of each):
+  every parameter, or the LoRA adapters alone when it has any."""
   import jax
   from flax import nnx
 
-  from jaxsys.nn.lora import apply_lora, trainable_filter
-  model = make_model()
-  apply_lora(model, lora, rngs=nnx.Rngs(0))
+  from jaxsys.nn.lora import trainable_filter
   return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, trainable_filter(model))))
 
 
 def _lora_rows(make_model, full: int, quick: bool) -> list[Row]:
   """LoRA r=16 against full fine-tuning: on the query and value projections (PEFT's default for
   Llama-family models: the 2% goal) and on all seven projections (no goal)."""
-  from jaxsys.nn.lora import LoRAConfig
+  from flax import nnx
+
+  from jaxsys.nn.lora import LoRAConfig, apply_lora
   rows = []
   for label, targets, goal in (("q, v projections (PEFT's default)", ("attn/wq$", "attn/wv$"), "<= 0.02"),
                                ("all 7 projections", (), None)):
-    ours = _trained_bytes(make_model, LoRAConfig(rank=16, alpha=32, targets=targets))
+    model = make_model()
+    apply_lora(model, LoRAConfig(rank=16, alpha=32, targets=targets), rngs=nnx.Rngs(0))
+    ours = _trained_bytes(model)
     rows.append(Row(metric=f"LoRA r=16 on {label}: trained parameters (optimizer state) vs full fine-tuning",
                     unit="bytes (ratio)", baseline=full, baseline_name="full fine-tuning", ours=ours,
                     ratio=ours / full, goal=None if quick else goal,

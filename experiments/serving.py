@@ -100,20 +100,22 @@ def _exact_length(max_tokens: int, peer: bool) -> dict:
   return {"ignore_eos": True, "min_tokens": max_tokens} if peer else {"ignore_eos": True}
 
 
-async def _one(client, model_name, prompt, max_tokens, t_send, peer=False):
+async def _one(client, model_name, prompt, max_tokens, t_send, peer=False, extra=None):
   t0 = time.perf_counter()
-  times = []
+  times, text = [], []
   stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
                                            temperature=0, stream=True,
-                                           extra_body=_exact_length(max_tokens, peer))
+                                           extra_body={**_exact_length(max_tokens, peer), **(extra or {})})
   async for chunk in stream:
     if chunk.choices:
       times.append(time.perf_counter())
-  return {"send": t_send, "start": t0, "times": times}
+      text.append(chunk.choices[0].text)
+  return {"send": t_send, "start": t0, "times": times, "text": "".join(text)}
 
 
-async def _load(url, model_name, prompts, rate, max_tokens, seed, peer=False):
-  """Open loop: request i is sent at its Poisson arrival time whatever the server's state."""
+async def _load(url, model_name, prompts, rate, max_tokens, seed, peer=False, extra=None):
+  """Open loop: request i is sent at its Poisson arrival time whatever the server's state
+  (``extra``: request fields added to every request, e.g. ``guided_json``)."""
   import openai
   client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
   gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(prompts))
@@ -121,7 +123,8 @@ async def _load(url, model_name, prompts, rate, max_tokens, seed, peer=False):
   tasks = []
   for prompt, at in zip(prompts, np.cumsum(gaps) - gaps[0]):
     await asyncio.sleep(max(0.0, t_start + at - time.perf_counter()))
-    tasks.append(asyncio.create_task(_one(client, model_name, prompt, max_tokens, time.perf_counter(), peer)))
+    tasks.append(asyncio.create_task(_one(client, model_name, prompt, max_tokens, time.perf_counter(), peer,
+                                          extra)))
   res = await asyncio.gather(*tasks)
   await client.close()
   return res

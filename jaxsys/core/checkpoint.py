@@ -96,12 +96,16 @@ def _key_name(k) -> str:
   return str(k)
 
 
+def _named_leaves(tree) -> list[tuple[str, Any]]:
+  """``[("params/layers/0/w", leaf), ...]`` in ``tree``'s flattening order."""
+  return [("/".join(_key_name(k) for k in path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def tree_signature(tree) -> dict[str, list]:
   """``{"params/layers/0/w": [[32, 64], "float32"], "step": ["int"], ...}``: the structure,
   shapes and dtypes a checkpoint holds (arrays by shape and dtype, other leaves by type)."""
   out = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = "/".join(_key_name(k) for k in path)
+  for name, x in _named_leaves(tree):
     if hasattr(x, "shape") and hasattr(x, "dtype"):
       out[name] = [list(x.shape), str(x.dtype)]
     else:
@@ -336,15 +340,13 @@ class Checkpointer:
     if all(source[n] == n for n in like_sig):
       return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
     # renamed leaves: read the saved tree as written, then place each leaf where ``like`` has it
-    raw = self._manager.restore(step, args=ocp.args.StandardRestore())
-    by_name = {"/".join(_key_name(k) for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(raw)[0]}
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    by_name = dict(_named_leaves(self._manager.restore(step, args=ocp.args.StandardRestore())))
     out = []
-    for path, want in leaves:
-      x = by_name[source["/".join(_key_name(k) for k in path)]]
+    for name, want in _named_leaves(abstract):
+      x = by_name[source[name]]
       sharding = getattr(want, "sharding", None)
       out.append(jax.device_put(x, sharding) if sharding is not None else x)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), out)
 
   def _restorable_step(self, step: int | None) -> int:
     """``step`` (default: the newest intact one), checked to exist and to verify."""

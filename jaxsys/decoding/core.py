@@ -317,7 +317,7 @@ def jit_prefill_embeds(graphdef, state, embeds, lengths, cache, group, with_hidd
 def jit_decode_loop(graphdef, state, cache, logits0, hidden0, params, mode, num_steps, with_hidden,
                     stream=False):
   count_trace("decoding.decode")
-  greedy, top_k, use_top_p, use_min_p, _ = mode  # sampling.loop_params (params carry "pen")
+  greedy, top_k, use_top_p, use_min_p = mode  # sampling.loop_params (penalties: params["pen"])
   return decode_loop(nnx.merge(graphdef, state), cache, logits0, hidden0, params, greedy=greedy,
                      top_k=top_k, use_top_p=use_top_p, num_steps=num_steps, with_hidden=with_hidden,
                      stream=stream, use_min_p=use_min_p)

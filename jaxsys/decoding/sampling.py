@@ -310,12 +310,12 @@ def sample_logits(key, logits, *, greedy: bool, temperature=1.0, top_k: int = 0,
 def loop_params(params: SamplingParams, *, max_new: int, stops, prompts=None, vocab: int = 0,
                 batch: int = 0) -> tuple[tuple, dict]:
   """What the on-device decode loop (``jaxsys.decoding.core.decode_loop``) takes for
-  ``params``: ``(mode, traced)`` with ``mode = (greedy, top_k, use_top_p, use_min_p, penalized)``
+  ``params``: ``(mode, traced)`` with ``mode = (greedy, top_k, use_top_p, use_min_p)``
   static and ``traced`` the seed, temperature, top_p, min_p, ``max_new`` and ``stops int32[n]``
   arrays, plus ``pen`` (:class:`Penalties` of ``batch`` rows, from the token-id ``prompts``) when
   ``params`` has penalties or bias. The one place these are built: every caller of the loop
   (``generate``, video GRPO) samples from :func:`target_probs`' distribution, min-p included."""
-  mode = (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0, params.penalized)
+  mode = (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0)
   traced = {"seed": jnp.uint32(params.seed), "temperature": jnp.float32(max(params.temperature, 1e-6)),
             "top_p": jnp.float32(params.top_p), "min_p": jnp.float32(params.min_p),
             "max_new": jnp.int32(max_new), "stops": jnp.asarray(tuple(stops) or (-1,), jnp.int32)}

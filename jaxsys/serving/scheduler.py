@@ -248,7 +248,7 @@ class Scheduler:
     slots = len(self.slots)
     if decode and not chunks:  # a decode-only step: sampling runs inside the decode executable
       ints, floats = self._sample_args(decode, [s.slot for s in decode], [False] * len(decode))
-      _, drawn = self._decode(decode, ints, floats, self._penalties(decode))
+      _, drawn = self._decode(decode, ints, floats, self._logit_adjust(decode))
       return self._emit(decode, drawn)
     rows, src, from_prefill = [], [], []
     dec_logits = None
@@ -341,7 +341,7 @@ class Scheduler:
                        pad([q.min_p for q in p], np.float32)])                 # [3, slots]
     return ints, floats
 
-  def _penalties(self, rows):
+  def _logit_adjust(self, rows):
     """The rows' :class:`LogitAdjust` (padded to ``slots`` rows), or None when no row has
     penalties, bias or a grammar (the common case: its executables then carry nothing for them).
     Only the parts some row uses are built: a step with grammars alone copies one packed mask per
@@ -369,7 +369,7 @@ class Scheduler:
     # The model's parameters only when a prompt's last hidden state needs its logits (flattening
     # them costs host time on every call).
     out = _sample_step(e._graphdef, self.keep_logits, None if hidden is None else e._params,
-                       dec_logits, hidden, ints, floats, self._penalties(rows))
+                       dec_logits, hidden, ints, floats, self._logit_adjust(rows))
     return self._emit(rows, out)
 
   def _emit(self, rows, drawn) -> list[StepOutput]:
@@ -449,17 +449,17 @@ class LogitAdjust(NamedTuple):
   allowed: Any
 
 
-def draw(logits, ints, floats, keep_logits: bool, pen: LogitAdjust | None = None):
+def draw(logits, ints, floats, keep_logits: bool, adjust: LogitAdjust | None = None):
   """Traced: row ``j`` of ``logits [slots, vocab]`` draws its token with its own parameters and
   key ``fold_in(fold_in(seed, choice), index)`` (``ints`` / ``floats`` of
-  ``Scheduler._sample_args``), from the logits after ``pen`` (:class:`LogitAdjust`; None: no
+  ``Scheduler._sample_args``), from the logits after ``adjust`` (:class:`LogitAdjust`; None: no
   row has penalties or a grammar): penalties and bias, then -inf on what a grammar forbids. The
   reported log-probabilities are the model's own. Also run inside the engine's decode executable."""
   raw = logits
-  if pen is not None and pen.pen is not None:
-    logits = penalize(logits, pen.pen)
-  if pen is not None and pen.allowed is not None:
-    logits = jnp.where(unpack_allowed(pen.allowed, logits.shape[-1]), logits, -jnp.inf)
+  if adjust is not None and adjust.pen is not None:
+    logits = penalize(logits, adjust.pen)
+  if adjust is not None and adjust.allowed is not None:
+    logits = jnp.where(unpack_allowed(adjust.allowed, logits.shape[-1]), logits, -jnp.inf)
   _, _, seeds, choice, index, top_k, want_logprobs = ints
   temperature, top_p, min_p = floats
   seeds = seeds.astype(jnp.uint32)

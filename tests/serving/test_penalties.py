@@ -58,4 +58,4 @@ def test_validation_names_the_field_and_history_free_paths_refuse():
     loop_params(SamplingParams(presence_penalty=1.0), max_new=4, stops=())
   mode, traced = loop_params(SamplingParams(presence_penalty=1.0), max_new=4, stops=(), prompts=[[1, 2]],
                              vocab=5, batch=2)
-  assert mode[-1] and traced["pen"].counts.shape == (2, 5) and float(traced["pen"].presence[1]) == 0.0
+  assert len(mode) == 4 and traced["pen"].counts.shape == (2, 5) and float(traced["pen"].presence[1]) == 0.0
