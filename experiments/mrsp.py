@@ -16,7 +16,11 @@ world, other task videos, initial weights, rollouts and held-out sets (seed 0: t
    compiler's plan, nothing allocated) vs frame count (quick: 64 and 1024) for the three modes, and the largest
    frame count that fits a fixed per-device budget. Goal: ``cached_sp`` on U = 8 devices fits
    >= 4x the frames of ``cached`` on 1.
-3. RL: a VLM warmed up by a supervised phase that stops at ``SFT_TARGET`` validation accuracy,
+3. FSDP x SP: ``cached_sp`` on ``data=2 x ulysses=U/2`` with the LM's parameters and Adam
+   moments sharded over "data" (``rules="fsdp"``) against ``ulysses=U`` replicated, on the same
+   devices: trained state per device (goal <= 0.55x, ideal 0.5), the update's gradients against
+   one device (goal <= 1e-5 max abs diff) and the RL step time.
+4. RL: a VLM warmed up by a supervised phase that stops at ``SFT_TARGET`` validation accuracy,
    then GRPO in ``cached_sp`` mode (60 steps quick, 160 full) on the verifiable video QA tasks
    (needle, count, order); held-out reward and accuracy (G samples per video, and greedy) and
    V-NIAH-style needle accuracy over depths before and after, with the curves plotted. Goal:
@@ -171,6 +175,63 @@ def memory(quick, rows, config, out, axes, seed, dtype="float32"):
         hline=BUDGET_MIB)
 
 
+def fsdp_axes(axes: dict) -> dict:
+  """Part 4's mesh: the SP degree halved and a "data" axis of 2 beside it (same device count)."""
+  return {"data": 2, "ulysses": max(1, axes["ulysses"] // 2)}
+
+
+def _state_bytes(tree) -> int:
+  """Bytes one device holds of ``tree`` (its first addressable shard of every array)."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def fsdp(quick, rows, config, out, axes, seed, dtype="float32"):
+  """MR-SP inside FSDP: ``cached_sp`` on ``data=2 x ulysses=U/2`` with the LM's parameters and
+  Adam moments sharded over "data" (rules "fsdp") against ``ulysses=U`` with them replicated:
+  the trained state per device, the update's loss and gradients against one device, and the RL
+  step time."""
+  spec, cfg = _setup(seed, dtype)
+  model = VLM(cfg, rngs=nnx.Rngs(reseed(0, seed)))
+  tasks = vt.VideoTaskSampler(spec, n_frames=64, seed=reseed(0, seed))
+  grpo = dataclasses.replace(vg.RECIPE, seed=seed)
+  fx = fsdp_axes(axes)
+  if jax.device_count() < 2 * fx["ulysses"]:
+    print(f"[mrsp] fsdp: skipped, {fx} needs {2 * fx['ulysses']} devices", flush=True)
+    return
+  tr = {"one": vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached", grpo=grpo))}
+  for name, ax in (("replicated", axes), ("fsdp", fx)):
+    tr[name] = vg.VideoGRPOTrainer(model, tasks, vg.VideoGRPOConfig(mode="cached_sp", grpo=grpo),
+                                   mesh=make_mesh(ax), rules="fsdp")
+  state = {k: _state_bytes((t.params, t.opt_state)) for k, t in tr.items() if k != "one"}
+  rows.append(Row(metric=f"trained LM state per device (parameters + Adam moments): cached_sp data=2 x "
+                         f"ulysses={fx['ulysses']} (fsdp) vs ulysses={axes['ulysses']} (replicated)",
+                  unit="KiB (ratio = ours/baseline)", baseline_name="replicated", baseline=state["replicated"] / 1024,
+                  ours=state["fsdp"] / 1024, ratio=state["fsdp"] / state["replicated"], ideal=0.5, goal="<= 0.55"))
+  # the same update on one device and on the FSDP x SP mesh (rows padded to each one's layout)
+  ex = tasks.sample(grpo.prompts_per_step)
+  resp = [[1, 2, video.EOS], [3, video.EOS]] * (len(ex) // 2) + [[4, video.EOS]] * (len(ex) % 2)
+  adv = np.linspace(-1, 1, len(ex)).astype(np.float32)
+  r = {k: tr[k].layout().response for k in ("one", "fsdp")}
+  old = np.full((len(ex), r["fsdp"]), -2.9, np.float32)
+  (l1, _), g1 = tr["one"].loss_and_grads(ex, resp, adv, old[:, :r["one"]], old[:, :r["one"]] + 0.1)
+  (l2, _), g2 = tr["fsdp"].loss_and_grads(ex, resp, adv, old, old + 0.1)
+  err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+            zip(jax.tree.leaves(g1), jax.tree.leaves(g2)))
+  scale = max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(g1))
+  rows.append(Row(metric="update gradients: cached_sp fsdp x SP vs cached on one device", unit="max abs diff",
+                  baseline_name="one device", ours=err, goal="<= 1e-5 (ours)",
+                  note=f"largest gradient entry {scale:.3g}; loss {float(l2):.6f} vs {float(l1):.6f}"))
+  t = time_interleaved({k: (lambda k=k: tr[k].step(ex)) for k in ("replicated", "fsdp")},
+                       rounds=3 if quick else 5)
+  rows.append(Row(metric=f"RL step time @64 frames: cached_sp fsdp (data=2 x ulysses={fx['ulysses']})",
+                  unit="s", baseline_name=f"replicated (ulysses={axes['ulysses']})",
+                  baseline=t["replicated"].min, ours=t["fsdp"].min,
+                  note="simulated devices share the CPU cores: the ratio shows overhead, not speed"))
+  config.update(fsdp_mesh=fx, fsdp_state_bytes=state, fsdp_grad_max_abs_diff=err)
+  print(f"[mrsp] fsdp: state {state['fsdp']} vs {state['replicated']} bytes/device, grad diff {err:.2e}",
+        flush=True)
+
+
 def rl_setup(seed: int = 0, dtype: str = "float32"):
   # The RL part asks whether GRPO improves a policy, so it needs a warm-up that can read the
   # glyphs within a CPU budget: the default small world (4 patches of 8 features, 8 glyph
@@ -303,7 +364,7 @@ def _plot(path, xs, series, xlabel, ylabel, title, hline=None):
   plt.close(fig)
 
 
-PARTS = ("time", "memory", "rl")
+PARTS = ("time", "memory", "fsdp", "rl")
 
 
 def run(quick: bool = False, out_dir=None, parts=None, mesh: dict | None = None, seed: int = 0,
@@ -318,7 +379,7 @@ def run(quick: bool = False, out_dir=None, parts=None, mesh: dict | None = None,
   rows: list[Row] = []
   config = {"devices": jax.device_count(), "mesh": axes, "seed": seed, "dtype": dtype, "modes": MODES,
             "machine": f"{os.cpu_count()}-core CPU; ratios are measured side by side in one process"}
-  for part, fn in (("time", timing), ("memory", memory), ("rl", rl)):
+  for part, fn in (("time", timing), ("memory", memory), ("fsdp", fsdp), ("rl", rl)):
     if part in parts:
       t0 = time.perf_counter()
       fn(quick, rows, config, out, axes, seed, dtype)

@@ -75,7 +75,7 @@ from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exp
 from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
 
 __all__ = [
-    "apply_optax", "causal_lm_loss", "init_health", "lower_step", "make_loop_step", "make_optimizer", "place_batch", "place_params",
+    "apply_optax", "causal_lm_loss", "init_health", "init_optimizer", "lower_step", "make_loop_step", "make_optimizer", "place_batch", "place_params",
     "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "train", "TrainConfig",
     "TrainResult",
 ]
@@ -291,7 +291,30 @@ def place_params(pure, specs, mesh):
   table = dict(jax.tree_util.tree_flatten_with_path(
       specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, table[path])), pure)
+      lambda path, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, _trimmed(table[path]))), pure)
+
+
+def _trimmed(spec):
+  """``spec`` without trailing ``None`` entries: the form a compiled step gives its outputs
+  (``P('data', None)`` places as ``P('data')``, but the two do not compare equal, so state
+  placed untrimmed recompiles the step once when its outputs come back)."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return jax.sharding.PartitionSpec(*entries)
+
+
+def init_optimizer(tx, params, mesh=None):
+  """``tx.init(params)``; on ``mesh`` the moments keep their parameters' placement and the
+  state's other arrays (Adam's step count, made on one device) are replicated over the mesh:
+  the placement the update returns, so a step does not compile a second time for its own
+  outputs."""
+  state = tx.init(params)
+  if mesh is None:
+    return state
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+                      else jax.device_put(x, rep), state)
 
 
 def place_batch(batch, mesh):
@@ -483,7 +506,7 @@ def _setup(model, cfg: TrainConfig, mesh):
   else:
     params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params_state))  # donated by the step
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
-  return graphdef, params, nnx.merge_state(frozen, rest), template, make_optimizer(cfg).init(params)
+  return graphdef, params, nnx.merge_state(frozen, rest), template, init_optimizer(make_optimizer(cfg), params, mesh)
 
 
 @on_auto_axes

@@ -75,12 +75,12 @@ from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_posit
 from jaxsys.models.llm.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.core.mesh import RULE_SETS, auto_mesh
-from jaxsys.train import apply_optax, place_batch, place_params
+from jaxsys.train import apply_optax, init_optimizer, place_batch, place_params
 
 __all__ = [
     "ADV_NORMS", "build_batch", "group_advantages", "grpo_loss", "GRPOConfig", "GRPOTrainer",
-    "LOSS_AGGS", "overlong_reward", "policy_objective", "PRESETS", "token_logprobs",
-    "zero_variance_groups",
+    "LOSS_AGGS", "overlong_reward", "place_policy", "policy_objective", "PRESETS",
+    "token_logprobs", "train_mesh", "zero_variance_groups",
 ]
 
 LOSS_AGGS = ("seq-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -301,12 +301,9 @@ class GRPOTrainer:
     self.buffer, self.spot = buffer, spot
     if temperature_check and engine.config.sampling.greedy:
       raise ConfigError("GRPO needs sampled rollouts: engine sampling temperature must be > 0")
-    self.mesh = _train_mesh(mesh, config, rules)
+    self.mesh = train_mesh(mesh, config, rules)
     self.gdef, self.params, self.rest = nnx.split(policy, nnx.Param, ...)
-    if self.mesh is not None:
-      from jaxsys.nn.layers import param_specs
-      specs = nnx.to_pure_dict(param_specs(policy, self.mesh, rules))
-      nnx.replace_by_pure_dict(self.params, place_params(nnx.to_pure_dict(self.params), specs, self.mesh))
+    place_policy(self.params, policy, self.mesh, rules)
     if config.remat and not isinstance(policy, Decoder):
       raise ConfigError(f"GRPOConfig.remat needs a jaxsys Decoder policy, got {type(policy).__name__}")
     # the update's graph: the same parameters, blocks rematerialised when config.remat
@@ -316,7 +313,7 @@ class GRPOTrainer:
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if self.mesh is not None
                        else copy.deepcopy(jax.device_get(self.params))) if config.kl_coef else None
     self.tx = optax.adam(config.lr)
-    self.opt_state = self.tx.init(self.params)
+    self.opt_state = init_optimizer(self.tx, self.params, self.mesh)
     self.rng = np.random.default_rng(config.seed)
     self.step_count = 0
     self.seq_len = engine.config.max_prompt + engine.config.max_new
@@ -500,8 +497,8 @@ class GRPOTrainer:
             "groups_kept": n_kept, "resample_rounds": len(results) - 1, "responses": generated}
 
 
-def _train_mesh(mesh, config: GRPOConfig, rules: str):
-  """The Auto twin of the trainer's mesh (the layers' annotations are hints there), or None;
+def train_mesh(mesh, config: GRPOConfig, rules: str):
+  """The Auto twin of a trainer's mesh (the layers' annotations are hints there), or None;
   the minibatch rows must divide over its "data" axis."""
   if mesh is None:
     return None
@@ -513,3 +510,13 @@ def _train_mesh(mesh, config: GRPOConfig, rules: str):
                       f"does not divide over the mesh's data={data} axis")
   return auto_mesh(mesh)
 
+
+def place_policy(params, policy, mesh, rules: str) -> None:
+  """Places ``params`` (an ``nnx.State`` of ``policy``'s parameters, or a subset of them) on
+  ``mesh`` as ``rules`` shard them (``jaxsys.nn.layers.param_specs``), in place; no-op without a
+  mesh. The optimizer state ``init``-ed from them, and copies of them, inherit the placement."""
+  if mesh is None:
+    return
+  from jaxsys.nn.layers import param_specs
+  specs = nnx.to_pure_dict(param_specs(policy, mesh, rules))
+  nnx.replace_by_pure_dict(params, place_params(nnx.to_pure_dict(params), specs, mesh))

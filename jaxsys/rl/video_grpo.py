@@ -51,7 +51,6 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_one_of, check_positive, check_range
-from jaxsys.core.mesh import auto_mesh
 from jaxsys.data import video
 from jaxsys.decoding import core
 from jaxsys.decoding.cache import KVCache
@@ -59,7 +58,7 @@ from jaxsys.decoding.sampling import SamplingParams, loop_params
 from jaxsys.parallel import zigzag as zz
 from jaxsys.rl import grpo
 from jaxsys.rl import video_tasks as vt
-from jaxsys.train import apply_optax
+from jaxsys.train import apply_optax, init_optimizer, place_batch
 
 __all__ = [
     "build_rows", "encode_videos", "LM_PARAMS", "MODES", "pretrain_video_policy", "RECIPE",
@@ -230,7 +229,12 @@ class VideoGRPOTrainer:
   rewards -> group advantages -> old / reference log-probs -> clipped updates."""
 
   def __init__(self, model, tasks: vt.VideoTaskSampler, config: VideoGRPOConfig = VideoGRPOConfig(),
-               *, mesh=None, reward_fn=None):
+               *, mesh=None, rules: str = "fsdp", reward_fn=None):
+    """``mesh``: the passes run on it, the update's rows split over its "data" axis and the
+    LM's parameters, reference and optimizer state placed by ``rules`` ("fsdp": sharded over
+    "data", gathered per layer; "tp": heads and mlp over "model"; ``jaxsys.core.mesh``). The
+    frozen vision tower stays replicated. ``cached_sp`` needs a mesh with a "ulysses" axis (its
+    sequence-parallel degree): ``{"data": 2, "ulysses": 4}`` is MR-SP's Ulysses SP inside FSDP."""
     from jaxsys.models.vlm import rebuild
     self.config, self.tasks = config, tasks
     self.reward_fn = reward_fn or vt.reward
@@ -238,29 +242,29 @@ class VideoGRPOTrainer:
       raise ConfigError("pass the single-device VLM; cached_sp builds its sharded twin on mesh=")
     if model.cfg.lm.vocab_size < vt.VOCAB:
       raise ConfigError(f"the LM's vocab_size={model.cfg.lm.vocab_size} must be >= {vt.VOCAB} (video task tokens)")
-    self.mesh, self.multiple, self.vlm_cfg = None, 1, model.cfg
+    if config.mode == "cached_sp" and mesh is None:
+      raise ConfigError("mode='cached_sp' needs mesh= (a mesh with a 'ulysses' axis)")
+    # Explicit axes (jax.make_mesh's default) run on the Auto twin, as jaxsys.train does: the
+    # layers' sharding annotations are hints, and the response slice of a sequence-sharded
+    # activation has no explicit output sharding.
+    self.mesh, self.multiple, self.vlm_cfg = grpo.train_mesh(mesh, config.grpo, rules), 1, model.cfg
     self.gdef, self.params, self.rest = nnx.split(model, LM_PARAMS, ...)
     self.pass_gdef = self.gdef
     if config.mode == "cached_sp":
-      if mesh is None:
-        raise ConfigError("mode='cached_sp' needs mesh= (a mesh with a 'ulysses' axis)")
-      # Explicit axes (jax.make_mesh's default) run on the Auto twin, as jaxsys.train does: the
-      # layers' sharding annotations are hints, and the response slice of a sequence-sharded
-      # activation has no explicit output sharding.
-      mesh = auto_mesh(mesh)
-      key = (self.gdef, mesh, config.sp_strategy)
+      key = (self.gdef, self.mesh, config.sp_strategy)
       if key not in _SP_TWINS:  # one sharded graphdef per structure and mesh (shared executables)
-        sp = rebuild(model, mesh=mesh, strategy=config.sp_strategy)
+        sp = rebuild(model, mesh=self.mesh, strategy=config.sp_strategy)
         _SP_TWINS[key] = (nnx.split(sp, LM_PARAMS, ...)[0], sp.plan)
       self.pass_gdef, self.plan = _SP_TWINS[key]
-      self.mesh, self.multiple = mesh, self.plan.degree
-      # Replicated on the mesh from the start: the sharded update returns them so, and inputs
-      # that kept the single-device placement would recompile every pass after the first step.
+      self.multiple = self.plan.degree
+    if self.mesh is not None:
+      # On the mesh from the start: the sharded update returns them so, and inputs that kept
+      # the single-device placement would recompile every pass after the first step.
       from jax.sharding import NamedSharding, PartitionSpec
-      rep = NamedSharding(mesh, PartitionSpec())
-      self.params, self.rest = jax.device_put((self.params, self.rest), rep)
+      self.rest = jax.device_put(self.rest, NamedSharding(self.mesh, PartitionSpec()))
+      grpo.place_policy(self.params, model, self.mesh, rules)
     self.ref_params = jax.tree.map(jnp.copy, self.params)
-    self.opt_state = _optimizer(config).init(self.params)
+    self.opt_state = init_optimizer(_optimizer(config), self.params, self.mesh)
     self.rng = np.random.default_rng(config.grpo.seed)
     self.step_count = 0
     self.encoded_videos = 0   # videos run through the vision tower (counted per pass)
@@ -268,7 +272,7 @@ class VideoGRPOTrainer:
     self._maps: dict = {}
     # The compiled passes are module-level, keyed by this static program: trainers of the same
     # model structure and config share their executables.
-    prog = _Program(self.gdef, self.pass_gdef, config, self.mesh is not None)
+    prog = _Program(self.gdef, self.pass_gdef, config, config.mode == "cached_sp")
     self._encode = functools.partial(_encode_jit, prog)
     self._embed_prompt = functools.partial(_embed_prompt_jit, prog)
     self._logp = functools.partial(_logp_jit, prog)
@@ -298,7 +302,7 @@ class VideoGRPOTrainer:
     """The arrays of one pass: rows, response mask and (sharded) the stage-2 routing tables."""
     inputs, slots, mask = build_rows(layout, examples, responses)
     batch = {"inputs": inputs, "mask": mask}
-    if self.mesh is None:
+    if self.config.mode != "cached_sp":
       batch["frame_slot"] = slots
     else:
       from jaxsys.parallel.multimodal import reshard_maps
@@ -307,7 +311,16 @@ class VideoGRPOTrainer:
         send, recv = reshard_maps(slots[:1], layout.frame_tokens, self.multiple)
         self._maps[key] = (np.repeat(send, len(examples), 0), np.repeat(recv, len(examples), 0))
       batch["send_idx"], batch["recv_pos"] = self._maps[key]
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+    return self._put(batch)
+
+  def _put(self, rows):
+    """Per-row host arrays (a pytree, rows first) on the device(s): split over the mesh's
+    "data" axis (``jaxsys.train.place_batch``), which must divide the row count."""
+    data = self.mesh.shape.get("data", 1) if self.mesh is not None else 1
+    n = jax.tree.leaves(rows)[0].shape[0]
+    if n % data:
+      raise ShapeError(f"{n} rows do not divide over the mesh's data={data} axis; pass a multiple of {data}")
+    return place_batch(jax.tree.map(np.asarray, rows), self.mesh)
 
   def encode(self, frames):
     """Frame tokens ``[n, T, H]`` of ``frames [n, F, patches, dim]`` (one encoder run per video)."""
@@ -335,7 +348,7 @@ class VideoGRPOTrainer:
       self.encoded_videos += len(rows)
     with self._ctx():
       return self._logp(self.params if params is None else params, self.rest, self._src(frames, ft),
-                        lay.prompt, jnp.asarray(rows, jnp.int32), batch)
+                        lay.prompt, self._put(rows.astype(np.int32)), batch)
 
   def loss_and_grads(self, examples, responses, adv, old, ref):
     """``((loss, aux), grads)`` of the objective for one micro-batch (rows = examples);
@@ -346,10 +359,10 @@ class VideoGRPOTrainer:
     if self.config.mode == "recompute":
       self.encoded_videos += len(examples)
     batch = self.device_batch(lay, examples, responses)
+    rows, adv, old, ref = self._put((np.arange(len(examples), dtype=np.int32), adv, old, ref))
     with self._ctx():
-      return self._loss_grad(self.params, self.rest, self._src(frames, ft), lay.prompt,
-                             jnp.arange(len(examples), dtype=jnp.int32), batch, jnp.asarray(adv),
-                             jnp.asarray(old), jnp.asarray(ref))
+      return self._loss_grad(self.params, self.rest, self._src(frames, ft), lay.prompt, rows, batch, adv,
+                             old, ref)
 
   def rollout(self, examples, ft, seed: int, *, greedy: bool = False):
     """``G`` sampled responses per example (rows ``i * G + j``), from one prefill per prompt
@@ -364,7 +377,7 @@ class VideoGRPOTrainer:
       ft, n_frames = ft[:, tok], c.rollout_frames
     prompts = np.stack([vt.prompt_tokens(ex.kind, n_frames, tpf)[0] for ex in examples])
     slots = np.stack([vt.prompt_tokens(ex.kind, n_frames, tpf)[1] for ex in examples])
-    if self.mesh is not None:  # the rollout runs on the replicated single-device model
+    if self.mesh is not None:  # the single-device graph on the mesh (FSDP shards gathered by the compiler)
       from jax.sharding import NamedSharding, PartitionSpec
       ft = jax.device_put(ft, NamedSharding(self.mesh, PartitionSpec()))
     embeds = self._embed_prompt(self.params, self.rest, ft, jnp.asarray(prompts), jnp.asarray(slots))
@@ -419,12 +432,12 @@ class VideoGRPOTrainer:
       for k in range(gc.minibatches):  # pi_old and pi_ref: all before any update
         idx = perm[k * mb:(k + 1) * mb]
         batch = self.device_batch(lay, [examples[i] for i in rows[idx]], [responses[i] for i in idx])
-        r = jnp.asarray(rows[idx], jnp.int32)
+        r = self._put(rows[idx].astype(np.int32))
         if c.mode == "recompute":
           self.encoded_videos += 2 * len(idx)
         old = self._logp(self.params, self.rest, src, lay.prompt, r, batch)
         ref = self._logp(self.ref_params, self.rest, src, lay.prompt, r, batch)
-        batches.append((r, batch, jnp.asarray(adv[idx]), old, ref))
+        batches.append((r, batch, self._put(adv[idx]), old, ref))
       aux = {}
       for r, batch, a, old, ref in batches:
         if c.mode == "recompute":

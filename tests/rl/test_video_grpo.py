@@ -140,6 +140,50 @@ def test_cached_sp_on_one_device(setup):
                              atol=1e-5)
 
 
+def _device_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_cached_sp_inside_fsdp(setup, kind):
+  """MR-SP's Ulysses SP inside FSDP (``data=2 x ulysses=4``, rules "fsdp"): the LM's parameters
+  and Adam moments are split over "data", the update's loss and gradients equal one device's,
+  and a row count "data" does not divide is a clear error."""
+  from jax.sharding import AxisType
+  model, ex = setup
+  types = {} if kind == "explicit" else {"axis_types": (AxisType.Auto,) * 2}
+  mesh = jax.make_mesh((2, 4), ("data", "ulysses"), **types)
+  fs = vg.VideoGRPOTrainer(model, vt.VideoTaskSampler(SPEC, n_frames=8, seed=0),
+                           vg.VideoGRPOConfig(mode="cached_sp"), mesh=mesh)
+  one = _trainer(model, "cached")
+  assert fs.params["lm"]["layers"][0]["attn"]["wq"][...].sharding.spec == jax.sharding.PartitionSpec("data")
+  assert _device_bytes((fs.params, fs.opt_state)) < 0.55 * _device_bytes((one.params, one.opt_state))
+  r1, r4 = one.layout().response, fs.layout().response
+  adv = np.array([1.0, -0.5], np.float32)
+  old = np.full((2, r4), -2.9, np.float32)
+  (l1, a1), g1 = one.loss_and_grads(ex, RESP, adv, old[:, :r1], old[:, :r1] + 0.1)
+  (l4, a4), g4 = fs.loss_and_grads(ex, RESP, adv, old, old + 0.1)
+  np.testing.assert_allclose(np.asarray(a4["logp"])[:, :r1], np.asarray(a1["logp"]), atol=1e-5)
+  np.testing.assert_allclose(float(l4), float(l1), rtol=1e-5)
+  errs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), g4, g1))
+  assert max(errs) < 1e-5
+  with pytest.raises(ShapeError, match="1 rows do not divide over the mesh's data=2 axis"):
+    fs.logprobs(ex[:1], RESP[:1])
+
+
+def test_fsdp_steps_compile_the_update_once(setup):
+  """The optimizer state starts where the update leaves it (moments beside their parameters, the
+  step count replicated on the mesh), so the second step reuses the first step's program."""
+  model, _ = setup
+  fs = vg.VideoGRPOTrainer(model, vt.VideoTaskSampler(SPEC, n_frames=8, seed=0),
+                           vg.VideoGRPOConfig(mode="cached"), mesh=make_mesh({"data": 2}))
+  fs.step()
+  compiled = vg._update_jit._cache_size()
+  m = fs.step()
+  assert vg._update_jit._cache_size() == compiled and np.isfinite(m["loss"])
+  assert all(isinstance(x.sharding, jax.sharding.NamedSharding) for x in jax.tree.leaves(fs.opt_state))
+
+
 def test_evaluate_greedy_and_sampled(setup):
   """Greedy: one answer per example; sampled: G answers per example, ``hits`` their mean, and
   the mean reward equals the rewards of those samples (re-drawn with the same seed)."""
