@@ -16,12 +16,12 @@ instructions). Measures:
    batch 1-8, and its greedy losslessness; ``grpo_lookup``: GRPO with the lookup-drafted long
    tail vs the vanilla rollout on a heavier-tailed task mix (sizes to 64, 256 new tokens), with
    the rollout share f of that mix;
-2. an EAGLE drafter warmed up on the policy's own sampled rollouts (``online.DrafterTrainer``,
+2. an EAGLE drafter warmed up on the policy's own sampled rollouts (``rl.tlt.warm_up_drafter``,
    CE over a reduced draft vocabulary of the K most frequent rollout tokens; FR-Spec / EAGLE-3),
    saved under the run dir;
-3. speculative decode speedup vs the best vanilla decode at batch 1, 2, 4, 8 (the engine's
-   vanilla mode or the decoding core's ``generate``, whichever is faster, timed in the same rounds;
-   fused engine, sampled at the rollout temperature, interleaved best-of-N), chain and tree,
+3. speculative decode speedup vs the same engine's vanilla mode (the decoding core's loop over
+   the engine's cache) at batch 1, 2, 4, 8 (``generate`` timed in the same rounds for one
+   cross-check row; sampled at the rollout temperature, interleaved best-of-N), chain and tree,
    reduced vs full draft vocabulary (the same trained block, drafting through all 49152 head
    rows), with the mean accepted length;
 4. greedy losslessness: speculative == vanilla token for token on 8 prompts;
@@ -49,8 +49,10 @@ user's choice; the rollouts after it follow the seed).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -119,21 +121,11 @@ def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list
   """``parts``: names from ``PARTS`` (default all; the drafter warm-up runs unless the parts are
   among ``regime``, ``lookup`` and ``grpo_lookup``); results go to ``tlt`` or ``tlt_<parts>``.
   ``seed``: the run's ``--seed``, passed to every part. ``dtype``: the policy's compute dtype."""
+  from experiments import _tlt_lookup
   from experiments._cli import with_compute_dtype
-  import jax
-  from flax import nnx
-
-  from experiments import real_lm
-  from jaxsys.core.bench import read_bandwidth, time_fn
-  from jaxsys.decoding.sampling import GREEDY, SamplingParams
   from jaxsys.models import load_pretrained
-  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, drafter_loss, top_token_ids
   from jaxsys.rl.chat_tasks import ChatTaskSampler
-  from jaxsys.serving.generation import default_stop_tokens, generate
-  from jaxsys.speculative import online
-  from jaxsys.speculative.bandit import Strategy
-  from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
-  from jaxsys.speculative.pool import ExecutablePool
+  from jaxsys.serving.generation import default_stop_tokens
 
   parts = tuple(parts or PARTS)
   if set(parts) - set(PARTS):
@@ -144,216 +136,218 @@ def run(out_dir: str, parts=None, seed: int = 0, dtype: str = "float32") -> list
   t_start = time.perf_counter()
   model, tok = load_pretrained(MODEL)
   model = with_compute_dtype(model, dtype)
-  mc = model.config
-  stops = default_stop_tokens(mc, tok)
-  rng = np.random.default_rng(reseed(0, seed))  # the warm-up rollouts' prompts
-  rows: list[Row] = []
-  log: dict = {}
+  stops = default_stop_tokens(model.config, tok)
   sampler = ChatTaskSampler(tok, items=cfg["items"], seed=reseed(0, seed))
-
-  # ---- 1) regime --------------------------------------------------------------------------
+  rows: list[Row] = []
+  extra: dict = {"lookup": None, "grpo_lookup": None}
+  config = dict(cfg, model=MODEL, parts=list(parts), dtype=dtype)
   step_s = None
   if "regime" in parts:
-    probe = _prompts(sampler, 1, np.random.default_rng(reseed(1, seed)), long_only=True)
-    n_short, n_long = 32, 128
-    for n in (n_short, n_long):  # compile both lengths' loops
-      generate(model, probe, max_new_tokens=n, stop_tokens=())
-    t_short, t_long = (time_fn(generate, model, probe, max_new_tokens=n, stop_tokens=(), warmup=0,
-                               iters=3).min for n in (n_short, n_long))
-    step_s = (t_long - t_short) / (n_long - n_short)
-    bw = read_bandwidth(1.0, 3)["xla"]
-    wbytes = real_lm._param_bytes(model)
-    bound_s = wbytes / bw
-    llama_note = "llama.cpp: llama_cpp does not import here (not installed), not measured"
-    llama_ms = None
-    if real_lm._have_llama():
-      from jaxsys.models.llm.interop import pretrained as P
-      llm = real_lm._Llama(real_lm._llama_files(P.find(MODEL))["F32"], n_ctx=512)
-      llm.generate(probe[0], 8)
-      pre, dec_s, _ = llm.generate(probe[0], n_long)
-      llama_ms = 1e3 * dec_s / (n_long - 1)
-      llama_note = f"llama.cpp F32 {llama_ms:.1f} ms/token"
-    rows.append(Row(metric="regime: batch-1 decode step (decoding core generate)", unit="ms",
-                    ours=1e3 * step_s, baseline=1e3 * bound_s, baseline_name="weight bytes / read bandwidth",
-                    ratio=bound_s / step_s,
-                    note=f"{wbytes / 1e6:.0f} MB f32 weights at {bw / 1e9:.1f} GB/s (XLA 1 GiB read); "
-                         f"ratio = share of the bandwidth bound reached; {llama_note}"))
-    t1, t5 = _verify_ratio(model, cfg["verify_cache"], cfg["verify_reps"])
-    rows.append(Row(metric="regime: 5-token verify / 1-token forward, batch 1", unit="x",
-                    ours=t5 / t1, goal="<= 1.3",
-                    note=f"{1e3 * t1:.1f} ms vs {1e3 * t5:.1f} ms after {cfg['verify_cache']} cached tokens"))
-    print(f"[tlt/smollm2] regime: step {1e3 * step_s:.1f} ms, bound {1e3 * bound_s:.1f} ms, "
-          f"verify 5/1 {t5 / t1:.2f}", flush=True)
-
-  # ---- 1b) lookup drafting (no drafter model, so before the warm-up) --------------------------
-  from experiments import _tlt_lookup
-  lookup_curve = None
-  if "lookup" in parts:
-    lrows, lookup_curve = _tlt_lookup.run(
+    rrows, step_s = _regime(model, sampler, cfg, seed)
+    rows += rrows
+  if "lookup" in parts:  # no drafter model, so before the warm-up
+    rrows, extra["lookup"] = _tlt_lookup.run(
         model, sampler, stops, cfg, lambda n, r: _prompts(sampler, n, r, long_only=True), out, seed=seed)
-    rows += lrows
-  lookup_hist = None
+    rows += rrows
   if "grpo_lookup" in parts:
-    lrows, lookup_hist = _tlt_lookup.grpo(model, tok, stops, cfg, out, seed=seed)
-    rows += lrows
-  if not set(parts) - {"regime", "lookup", "grpo_lookup"}:  # nothing below needs the drafter
-    write_result(name, rows, config=dict(cfg, model=MODEL, parts=list(parts), dtype=dtype,
-                                         seconds=time.perf_counter() - t_start),
-                 quick=False, out_dir=out_dir, extra={"lookup": lookup_curve, "grpo_lookup": lookup_hist})
-    return rows
+    rrows, extra["grpo_lookup"] = _tlt_lookup.grpo(model, tok, stops, cfg, out, seed=seed)
+    rows += rrows
+  if set(parts) - {"regime", "lookup", "grpo_lookup"}:  # the parts below need the drafter
+    w = _warmup(model, sampler, stops, cfg, out, seed)
+    rows += w.rows
+    extra["warm"] = w.log
+    config.update(chain=w.chain.name, tree=w.tree.name, draft_coverage=w.coverage, lengths=w.lengths)
+    if "speedup" in parts:
+      rrows, extra["curves"] = _speedup(model, w, sampler, stops, cfg, step_s, seed)
+      rows += rrows
+    if "lossless" in parts:
+      rows += _lossless(model, w, sampler, stops, cfg, seed)
+    if "grpo" in parts:
+      rrows, extra["grpo"], summary = _grpo(model, sampler, w.drafter, w.rollouts, w.base, w.pool, cfg,
+                                            step_s, out, seed)
+      rows += rrows
+      config.update(summary)
+    config["compilations"] = w.pool.compilations
+  config.update(seconds=time.perf_counter() - t_start, machine_note="2-core CPU host")
+  write_result(name, rows, config=config, quick=False, out_dir=out_dir, extra=extra)
+  return rows
 
-  # ---- 2) rollouts and drafter warm-up ------------------------------------------------------
-  sampling = SamplingParams(cfg["temperature"])
+
+def _regime(model, sampler, cfg, seed):
+  """Part 1: the batch-1 decode step beside the bandwidth bound (and llama.cpp when it imports),
+  and the 5-token verify / 1-token forward ratio. Returns ``(rows, step seconds)``."""
+  from experiments import real_lm
+  from jaxsys.core.bench import read_bandwidth, time_fn
+  from jaxsys.serving.generation import generate
+  probe = _prompts(sampler, 1, np.random.default_rng(reseed(1, seed)), long_only=True)
+  n_short, n_long = 32, 128
+  for n in (n_short, n_long):  # compile both lengths' loops
+    generate(model, probe, max_new_tokens=n, stop_tokens=())
+  t_short, t_long = (time_fn(generate, model, probe, max_new_tokens=n, stop_tokens=(), warmup=0,
+                             iters=3).min for n in (n_short, n_long))
+  step_s = (t_long - t_short) / (n_long - n_short)
+  bw = read_bandwidth(1.0, 3)["xla"]
+  wbytes = real_lm._param_bytes(model)
+  bound_s = wbytes / bw
+  llama_note = "llama.cpp: llama_cpp does not import here (not installed), not measured"
+  if real_lm._have_llama():
+    from jaxsys.models.llm.interop import pretrained as P
+    llm = real_lm._Llama(real_lm._llama_files(P.find(MODEL))["F32"], n_ctx=512)
+    llm.generate(probe[0], 8)
+    _, dec_s, _ = llm.generate(probe[0], n_long)
+    llama_note = f"llama.cpp F32 {1e3 * dec_s / (n_long - 1):.1f} ms/token"
+  t1, t5 = _verify_ratio(model, cfg["verify_cache"], cfg["verify_reps"])
+  print(f"[tlt/smollm2] regime: step {1e3 * step_s:.1f} ms, bound {1e3 * bound_s:.1f} ms, "
+        f"verify 5/1 {t5 / t1:.2f}", flush=True)
+  return [Row(metric="regime: batch-1 decode step (decoding core generate)", unit="ms",
+              ours=1e3 * step_s, baseline=1e3 * bound_s, baseline_name="weight bytes / read bandwidth",
+              ratio=bound_s / step_s,
+              note=f"{wbytes / 1e6:.0f} MB f32 weights at {bw / 1e9:.1f} GB/s (XLA 1 GiB read); "
+                   f"ratio = share of the bandwidth bound reached; {llama_note}"),
+          Row(metric="regime: 5-token verify / 1-token forward, batch 1", unit="x", ours=t5 / t1, goal="<= 1.3",
+              note=f"{1e3 * t1:.1f} ms vs {1e3 * t5:.1f} ms after {cfg['verify_cache']} cached tokens")], step_s
+
+
+@dataclasses.dataclass
+class _Warm:
+  """The drafter warm-up's products, shared by the speedup, lossless and GRPO parts."""
+  drafter: Any       # reduced draft vocabulary, trained (or restored)
+  full: Any          # the same trained block drafting through the full head
+  rollouts: list     # the warm-up rollouts (GRPO's online buffer starts from the last ones)
+  base: dict         # the RolloutConfig fields every engine shares
+  pool: Any          # one executable pool for every engine
+  chain: Any
+  tree: Any
+  lengths: list      # response lengths of the warm-up rollouts
+  coverage: float    # share of response tokens the reduced vocabulary covers
+  log: dict
+  rows: list
+
+
+def _warmup(model, sampler, stops, cfg, out, seed) -> _Warm:
+  """Part 2: rollouts of the policy and the EAGLE drafter trained on them (``jaxsys.rl.tlt.
+  warm_up_drafter``), or restored from ``JAXSYS_TLT_DRAFTER`` (then only the rollouts GRPO's
+  online buffer starts from are sampled)."""
+  from flax import nnx
+  from jaxsys.decoding.sampling import SamplingParams
+  from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
+  from jaxsys.rl.tlt import warm_up_drafter
+  from jaxsys.speculative import online
+  from jaxsys.speculative.bandit import Strategy
+  from jaxsys.speculative.engine import RolloutConfig
+  from jaxsys.speculative.pool import ExecutablePool
+  mc = model.config
   chain, tree = Strategy(*cfg["chain"]), Strategy(*cfg["tree"])
-  max_prompt = sampler.max_prompt  # the longest prompt of the task mixture
-  base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=max_prompt,
-              stop_tokens=stops, batch_buckets=cfg["batches"], spec_threshold=8, sampling=sampling,
-              compilation_cache_dir=str(out / "xla_cache"),
+  base = dict(strategies=(chain, tree), max_new=cfg["max_new"], max_prompt=sampler.max_prompt,
+              stop_tokens=stops, batch_buckets=cfg["batches"], spec_threshold=8,
+              sampling=SamplingParams(cfg["temperature"]), compilation_cache_dir=str(out / "xla_cache"),
               seed=reseed(0, seed))  # the bandit's exploration
   pool = ExecutablePool(max_entries=256)
   dcfg = DrafterConfig.for_target(mc, draft_vocab=cfg["draft_vocab"])
-  drafter = EagleDrafter(dcfg, rngs=nnx.Rngs(reseed(1, seed)))
-  roll = RolloutEngine(model, drafter, RolloutConfig(**base, speculative=False), pool=pool)
-  buffer = online.DrafterBuffer(max_steps=cfg["warm_rollouts"], seed=reseed(0, seed))
-  lengths, seqs, plens, warm_results = [], [], [], []
-  t0 = time.perf_counter()
-  # JAXSYS_TLT_DRAFTER=<checkpoint>: a drafter this experiment saved before (same settings)
-  # replaces the warm-up training; only the rollouts GRPO's online buffer starts from are sampled.
   saved = os.environ.get("JAXSYS_TLT_DRAFTER")
-  for k in range(cfg["online_buffer"] if saved else cfg["warm_rollouts"]):
-    res = roll.generate(_prompts(sampler, cfg["warm_batch"], rng), seed=reseed(100 + k, seed))
-    buffer.add(k, res.sequences, res.features, res.prompt_lengths)
-    warm_results = (warm_results + [res])[-cfg["online_buffer"]:]  # GRPO's online buffer starts here
-    lengths += [len(t) for t in res.tokens]
-    seqs += res.sequences
-    plens += res.prompt_lengths
-  log["rollout_seconds"] = time.perf_counter() - t0
-  lengths = np.asarray(lengths)
-  if saved:
-    drafter = online.load_drafter(saved, dcfg)
-    ids = np.asarray(drafter.draft_ids[...])
-  else:
-    ids = top_token_ids(seqs, cfg["draft_vocab"], mc.vocab_size, plens)
-    drafter.set_draft_vocab(ids)
-  counts = np.bincount(np.concatenate([np.asarray(s)[p:] for s, p in zip(seqs, plens)]),
-                       minlength=mc.vocab_size)
-  coverage = float(counts[ids].sum() / counts.sum())
-  heldout = online.DrafterBuffer(max_steps=1, seed=reseed(1, seed))
-  r_ho = roll.generate(_prompts(sampler, cfg["warm_batch"], np.random.default_rng(reseed(99, seed))),
-                       seed=reseed(7, seed))
-  heldout.add(0, r_ho.sequences, r_ho.features, r_ho.prompt_lengths)
-  seq_len = 1 << (max_prompt + cfg["max_new"] - 1).bit_length()
-  t0 = time.perf_counter()
-  if saved:
-    log["drafter_warm"] = {"restored": saved}
-  else:
-    trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=8, seq_len=seq_len)
-    log["drafter_warm"] = trainer.train(model, buffer, cfg["warm_steps"])
-    drafter = trainer.drafter
+  drafter = online.load_drafter(saved, dcfg) if saved else EagleDrafter(dcfg, rngs=nnx.Rngs(reseed(1, seed)))
+  rng = np.random.default_rng(reseed(0, seed))  # the warm-up rollouts' prompts
+  n = cfg["online_buffer"] if saved else cfg["warm_rollouts"]
+  warm = warm_up_drafter(model, drafter, RolloutConfig(**base),
+                         [_prompts(sampler, cfg["warm_batch"], rng) for _ in range(n)],
+                         seeds=[reseed(100 + k, seed) for k in range(n)], steps=0 if saved else cfg["warm_steps"],
+                         lr=3e-3, batch=8, draft_vocab=not saved,
+                         heldout=(_prompts(sampler, cfg["warm_batch"], np.random.default_rng(reseed(99, seed))),
+                                  reseed(7, seed)),
+                         buffer_seed=reseed(0, seed), pool=pool)
+  drafter = warm.drafter
+  if not saved:
     online.save_drafter(out / "drafter_ckpt" / f"smollm2_{int(time.time())}", drafter)
-  log["drafter_warm_seconds"] = time.perf_counter() - t0
-  ho = drafter_loss(drafter, model, *(jax.numpy.asarray(a) for a in heldout.sample(16, seq_len)))[1]
-  log["drafter_warm"]["heldout_top1"] = float(ho["top1"])
-  # The same trained block drafting through the full head (all 49152 rows).
   full = EagleDrafter(DrafterConfig.for_target(mc), rngs=nnx.Rngs(reseed(1, seed)))
   nnx.update(full, nnx.state(drafter, nnx.Param))
+  lengths = np.asarray([len(t) for r in warm.rollouts for t in r.tokens])
+  resp = np.concatenate([np.asarray(s)[p:] for r in warm.rollouts for s, p in zip(r.sequences, r.prompt_lengths)])
+  counts = np.bincount(resp, minlength=mc.vocab_size)
+  coverage = float(counts[np.asarray(drafter.draft_ids[...])].sum() / counts.sum())
+  log = {"drafter_warm": dict(warm.metrics, **({"restored": saved} if saved else {}))}
   med = float(np.median(lengths))
-  rows.append(Row(metric="regime: longest rollout response / median", unit="x",
-                  ours=float(lengths.max()) / med,
-                  note=f"{len(lengths)} sampled responses (T={cfg['temperature']}), median {med:.0f}, "
-                       f"max {lengths.max()} tokens (max_new {cfg['max_new']})"))
-  rows.append(Row(metric="drafter warm-up (reduced vocab CE)", unit="held-out top-1", ours=float(ho["top1"]),
-                  note=(f"restored from {saved}" if saved else
-                        f"{cfg['warm_steps']} steps in {log['drafter_warm_seconds']:.0f}s on "
-                        f"{len(lengths)} responses") + f"; K={cfg['draft_vocab']} covers "
-                       f"{coverage:.3f} of response tokens"))
+  rows = [Row(metric="regime: longest rollout response / median", unit="x", ours=float(lengths.max()) / med,
+              note=f"{len(lengths)} sampled responses (T={cfg['temperature']}), median {med:.0f}, "
+                   f"max {lengths.max()} tokens (max_new {cfg['max_new']})"),
+          Row(metric="drafter warm-up (reduced vocab CE)", unit="held-out top-1", ours=warm.metrics["heldout_top1"],
+              note=(f"restored from {saved}" if saved else
+                    f"{cfg['warm_steps']} steps in {warm.metrics['train_seconds']:.0f}s on "
+                    f"{len(lengths)} responses") + f"; K={cfg['draft_vocab']} covers "
+                   f"{coverage:.3f} of response tokens")]
   print(f"[tlt/smollm2] warm-up: {log}", flush=True)
+  return _Warm(drafter, full, warm.rollouts[-cfg["online_buffer"]:], base, pool, chain, tree,
+               lengths.tolist(), coverage, log, rows)
 
-  # ---- 3) speedup vs batch ----------------------------------------------------------------
-  curve = {"batch": []}
-  if "speedup" in parts:
-    engines = {"reduced": RolloutEngine(model, drafter, RolloutConfig(**base), pool=pool),
-               "full": RolloutEngine(model, full, RolloutConfig(**base), pool=pool)}
-    for b in cfg["batches"]:
-      prompts = _prompts(sampler, b, np.random.default_rng(reseed(10 + b, seed)), long_only=True)
-      runs = [("vanilla", "reduced", None), ("chain", "reduced", chain), ("tree", "reduced", tree)]
-      if b == 1:
-        runs += [("chain", "full", chain), ("tree", "full", tree)]
-      tput, acc = {}, {}
 
-      def core(key):  # the decoding core's vanilla decode: a second baseline, same prompts
+def _speedup(model, w: _Warm, sampler, stops, cfg, step_s, seed):
+  """Part 3: speculative throughput vs the same engine's vanilla mode (the decoding core's loop
+  over the engine's cache) at each batch, chain and tree, reduced and (batch 1) full draft
+  vocabulary, interleaved best-of-N; ``generate`` in the same rounds for one cross-check row.
+  Returns ``(rows, curve)``."""
+  from jaxsys.decoding.sampling import SamplingParams
+  from jaxsys.serving.generation import generate
+  from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
+  engines = {"reduced": RolloutEngine(model, w.drafter, RolloutConfig(**w.base), pool=w.pool),
+             "full": RolloutEngine(model, w.full, RolloutConfig(**w.base), pool=w.pool)}
+  rows, curve = [], {"batch": []}
+  for b in cfg["batches"]:
+    prompts = _prompts(sampler, b, np.random.default_rng(reseed(10 + b, seed)), long_only=True)
+    runs = [("vanilla", "reduced", None), ("chain", "reduced", w.chain), ("tree", "reduced", w.tree)]
+    if b == 1:
+      runs += [("chain", "full", w.chain), ("tree", "full", w.tree)]
+
+    def decode(vocab, strat, key):  # vocab None: the decoding core's generate, same prompts
+      if vocab is None:
         return generate(model, prompts, max_new_tokens=cfg["max_new"], stop_tokens=stops,
                         sampling=SamplingParams(cfg["temperature"], seed=key))
+      return engines[vocab].generate(prompts, seed=key, force_strategy=strat, speculative=strat is not None)
 
-      for _label, vocab, strat in runs:  # compile / warm-up each
-        engines[vocab].generate(prompts, seed=reseed(0, seed), force_strategy=strat,
-                                speculative=strat is not None)
-      core(reseed(0, seed))
-      for rep in range(cfg["repeats"]):  # interleaved best-of-N
-        for label, vocab, strat in runs + [("generate", None, None)]:
-          t0 = time.perf_counter()
-          if vocab is None:
-            r = core(reseed(1 + rep, seed))
-          else:
-            r = engines[vocab].generate(prompts, seed=reseed(1 + rep, seed), force_strategy=strat,
-                                        speculative=strat is not None)
-          key = label if strat is None else f"{label}/{vocab}"
-          n_tok = sum(len(t) for t in r.tokens)
-          tput[key] = max(tput.get(key, 0.0), n_tok / (time.perf_counter() - t0))
-          if strat is not None:
-            acc[key] = r.stats["mean_accepted"] + 1
-      curve["batch"].append(b)
-      # The baseline is the best vanilla decode measured in these rounds: the engine's or the
-      # decoding core's `generate`, whichever is faster at this batch.
-      best = max(("vanilla", "generate"), key=lambda k: tput[k])
-      names = {"vanilla": "vanilla (same engine)", "generate": "vanilla (decoding core generate)"}
-      for key, v in tput.items():
-        curve.setdefault(key, []).append(v)
-        if key in names:
-          continue
-        rows.append(Row(metric=f"{key} vocab decode throughput @ batch {b}",
-                        unit="tokens/s (ratio = ours/baseline)", baseline=tput[best],
-                        baseline_name=names[best], ours=v, ratio=v / tput[best],
-                        goal=">= 2.2" if b == 1 else None,
-                        note=f"accepted length {acc[key]:.2f} tokens/round; engine vanilla "
-                             f"{tput['vanilla']:.1f}, generate {tput['generate']:.1f} tokens/s"))
-      print(f"[tlt/smollm2] batch {b}: tokens/s {tput} accepted {acc}", flush=True)
-    if curve["batch"][0] == 1:
-      rows.append(Row(metric="vanilla engine vs decoding core generate @ batch 1", unit="tokens/s",
-                      baseline=curve["generate"][0], baseline_name="generate (same prompts and rounds)",
-                      ours=curve["vanilla"][0], ratio=curve["vanilla"][0] / curve["generate"][0],
-                      note="both include their prefill; "
-                           + ("" if step_s is None else f"generate's per-step figure: {1.0 / step_s:.1f} tokens/s; ")
-                           + "speedup rows use the faster of the two"))
+    runs += [("generate", None, None)]
+    for _label, vocab, strat in runs:  # compile / warm-up each
+      decode(vocab, strat, reseed(0, seed))
+    tput, acc = {}, {}
+    for rep in range(cfg["repeats"]):  # interleaved best-of-N
+      for label, vocab, strat in runs:
+        t0 = time.perf_counter()
+        r = decode(vocab, strat, reseed(1 + rep, seed))
+        key = label if strat is None else f"{label}/{vocab}"
+        tput[key] = max(tput.get(key, 0.0), sum(len(t) for t in r.tokens) / (time.perf_counter() - t0))
+        if strat is not None:
+          acc[key] = r.stats["mean_accepted"] + 1
+    curve["batch"].append(b)
+    for key, v in tput.items():
+      curve.setdefault(key, []).append(v)
+      if key in ("vanilla", "generate"):
+        continue
+      rows.append(Row(metric=f"{key} vocab decode throughput @ batch {b}",
+                      unit="tokens/s (ratio = ours/baseline)", baseline=tput["vanilla"],
+                      baseline_name="vanilla (same engine)", ours=v, ratio=v / tput["vanilla"],
+                      goal=">= 2.2" if b == 1 else None,
+                      note=f"accepted length {acc[key]:.2f} tokens/round; generate {tput['generate']:.1f} tokens/s"))
+    print(f"[tlt/smollm2] batch {b}: tokens/s {tput} accepted {acc}", flush=True)
+  if curve["batch"][0] == 1:
+    rows.append(Row(metric="vanilla engine vs decoding core generate @ batch 1", unit="tokens/s",
+                    baseline=curve["generate"][0], baseline_name="generate (same prompts and rounds)",
+                    ours=curve["vanilla"][0], ratio=curve["vanilla"][0] / curve["generate"][0],
+                    note="one decoding loop over two cache types; both include their prefill"
+                         + ("" if step_s is None else f"; generate's per-step figure: {1.0 / step_s:.1f} tokens/s")))
+  return rows, curve
 
-  # ---- 4) greedy losslessness -------------------------------------------------------------
-  if "lossless" in parts:
-    lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(reseed(5, seed)))
-    ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
-    gbase = dict(base, sampling=GREEDY, max_new=cfg["lossless_new"], batch_buckets=(cfg["n_lossless"],))
-    same = 0
-    eng = RolloutEngine(model, drafter, RolloutConfig(**gbase), pool=pool)
-    for s in (chain, tree):
-      got = eng.generate(lp, force_strategy=s).tokens
-      same += sum(g == r for g, r in zip(got, ref))
-    rows.append(Row(metric="greedy speculative == vanilla (SmolLM2, token for token)", unit="prompts",
-                    ours=float(same), baseline=float(2 * len(lp)), baseline_name="prompts x 2 runs",
-                    ratio=same / (2 * len(lp)), goal=">= 1.0",
-                    note=f"chain and tree, reduced draft vocabulary, {cfg['lossless_new']} new tokens"))
 
-  # ---- 5) GRPO: TLT (online drafter) vs vanilla rollout, same seeds, interleaved ----------
-  hist, summary = None, {}
-  if "grpo" in parts:
-    grpo_rows, hist, summary = _grpo(model, sampler, drafter, warm_results, base, pool, cfg,
-                                     step_s, out, seed)
-    rows += grpo_rows
-  config = dict(cfg, model=MODEL, parts=list(parts), dtype=dtype, chain=chain.name, tree=tree.name,
-                draft_coverage=coverage, lengths=lengths.tolist(), compilations=pool.compilations,
-                seconds=time.perf_counter() - t_start, machine_note="2-core CPU host", **summary)
-  write_result(name, rows, config=config, quick=False, out_dir=out_dir,
-               extra={"curves": curve, "warm": log, "grpo": hist, "lookup": lookup_curve,
-                      "grpo_lookup": lookup_hist})
-  return rows
+def _lossless(model, w: _Warm, sampler, stops, cfg, seed) -> list[Row]:
+  """Part 4: greedy speculative (chain and tree) == the decoding core's greedy generate."""
+  from jaxsys.decoding.sampling import GREEDY
+  from jaxsys.serving.generation import generate
+  from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
+  lp = _prompts(sampler, cfg["n_lossless"], np.random.default_rng(reseed(5, seed)))
+  ref = generate(model, lp, max_new_tokens=cfg["lossless_new"], stop_tokens=stops).tokens
+  gbase = dict(w.base, sampling=GREEDY, max_new=cfg["lossless_new"], batch_buckets=(cfg["n_lossless"],))
+  eng = RolloutEngine(model, w.drafter, RolloutConfig(**gbase), pool=w.pool)
+  same = sum(g == r for s in (w.chain, w.tree) for g, r in zip(eng.generate(lp, force_strategy=s).tokens, ref))
+  return [Row(metric="greedy speculative == vanilla (SmolLM2, token for token)", unit="prompts",
+              ours=float(same), baseline=float(2 * len(lp)), baseline_name="prompts x 2 runs",
+              ratio=same / (2 * len(lp)), goal=">= 1.0",
+              note=f"chain and tree, reduced draft vocabulary, {cfg['lossless_new']} new tokens")]
 
 
 def _grpo(model, sampler, drafter0, warm_results, base, pool, cfg, step_s, out, seed: int = 0):

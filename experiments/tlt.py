@@ -87,14 +87,13 @@ def run(quick: bool, out_dir: str, parts=None, seed: int = 0, dtype: str = "floa
 def run_tiny(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -> list[Row]:
   """The tiny trained LM as policy (the whole pipeline, GRPO included; see the module docstring).
   ``seed``: the run's ``--seed``; the policy is the shipped checkpoint whatever it is."""
-  import jax
   from flax import nnx
 
   from jaxsys.data import synthetic
   from jaxsys.models import load_tiny_lm
   from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter
   from jaxsys.rl import grpo, tasks
-  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
+  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer, warm_up_drafter
   from jaxsys.speculative import online
   from jaxsys.speculative.bandit import Strategy
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
@@ -120,27 +119,19 @@ def run_tiny(quick: bool, out_dir: str, seed: int = 0, dtype: str = "float32") -
               seed=reseed(0, seed))  # the bandit's exploration
   pool = ExecutablePool(max_entries=256)
   drafter = EagleDrafter(DrafterConfig.for_target(policy.config), rngs=nnx.Rngs(reseed(1, seed)))
-  warm = RolloutEngine(policy, drafter, RolloutConfig(**base, speculative=False), pool=pool)
   sampler = tasks.LongTailMix(long_fraction=0.5, seed=reseed(11, seed), **mix)
   n_warm = cfg["drafter_warm_rollouts"]
-  buffer = online.DrafterBuffer(max_steps=n_warm, seed=reseed(0, seed))
-  warm_rollouts = []
-  for k in range(n_warm):  # rollouts of the initial policy: the drafter's warm-up data
-    res = warm.generate([list(e.prompt) for e in sampler.sample(32)], seed=reseed(123 + k, seed))
-    buffer.add(k - n_warm, res.sequences, res.features, res.prompt_lengths)
-    warm_rollouts.append(res)
-  # Held-out rollout (other prompts/seed): top-1 on the training data alone hides memorisation.
-  heldout = online.DrafterBuffer(max_steps=1, seed=reseed(0, seed))
+  # Rollouts of the initial policy are the drafter's warm-up data; a held-out rollout (other
+  # prompts and seed) measures top-1, since top-1 on the training data alone hides memorisation.
   ho_sampler = tasks.LongTailMix(long_fraction=0.5, seed=reseed(99, seed), **mix)
-  r_ho = warm.generate([list(e.prompt) for e in ho_sampler.sample(32)], seed=reseed(7, seed))
-  heldout.add(0, r_ho.sequences, r_ho.features, r_ho.prompt_lengths)
-  seq_len = 1 << (base["max_prompt"] + base["max_new"] - 1).bit_length()
-  trainer = online.DrafterTrainer(drafter, lr=3e-3, batch=16, seq_len=seq_len)
-  log["drafter_warm"] = trainer.train(policy, buffer, cfg["drafter_warm_steps"])
-  drafter0 = trainer.drafter  # "trained once"
-  from jaxsys.models.llm.drafter import drafter_loss
-  ho = drafter_loss(drafter0, policy, *(jax.numpy.asarray(a) for a in heldout.sample(64, seq_len)))[1]
-  log["drafter_warm"]["heldout_top1"] = float(ho["top1"])
+  warm = warm_up_drafter(policy, drafter, RolloutConfig(**base),
+                         [[list(e.prompt) for e in sampler.sample(32)] for _ in range(n_warm)],
+                         seeds=[reseed(123 + k, seed) for k in range(n_warm)],
+                         steps=cfg["drafter_warm_steps"], lr=3e-3, batch=16,
+                         heldout=([list(e.prompt) for e in ho_sampler.sample(32)], reseed(7, seed)),
+                         heldout_rows=64, buffer_seed=reseed(0, seed), pool=pool)
+  drafter0, warm_rollouts = warm.drafter, warm.rollouts  # drafter0: "trained once"
+  log["drafter_warm"] = warm.metrics
   online.save_drafter(out / "drafter_ckpt" / f"warm_{int(time.time())}", drafter0)
   print(f"[tlt] warm-up done in {time.perf_counter() - t_start:.0f}s: {log['drafter_warm']}")
 

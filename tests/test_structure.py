@@ -297,6 +297,24 @@ def test_one_on_device_decode_loop():
   assert not steps, "a decode step called outside the on-device loops:\n" + "\n".join(steps)
 
 
+PREFILL_VIEWS = {"Prefill", "PagedPrefill", "PagedChunk"}  # the cache views a prompt is written through
+PREFILL_HOMES = {"jaxsys/decoding/core.py": {"Prefill"},              # contiguous KV cache
+                 "jaxsys/serving/prefill.py": {"PagedPrefill", "PagedChunk"}}  # paged pools (LServe)
+
+
+def test_one_prefill():
+  """A prompt enters a cache in one place per cache type: the decoding core's ``prefill`` (the
+  contiguous cache of generate, rollouts and video GRPO) and ``serving.prefill`` (the paged pools);
+  both are the model's own ``forward_hidden`` over a cache view. No other module builds a view."""
+  assert _calls(ast.parse("h, c = m.forward_hidden(t, cache=views.Prefill(c))"), PREFILL_VIEWS) == [(1, "Prefill")]
+  found: dict = {}
+  for rel, tree in _sources("jaxsys"):
+    for ln, name in _calls(tree, PREFILL_VIEWS):
+      found.setdefault(rel, set()).add(name)
+      assert name in PREFILL_HOMES.get(rel, ()), f"a second prefill: {rel}:{ln} builds {name}"
+  assert found == PREFILL_HOMES
+
+
 # ----------------------------------------------------------------------------- node classification
 
 CROSS_ENTROPY = {"softmax_cross_entropy_with_integer_labels", "softmax_cross_entropy", "log_softmax"}

@@ -18,13 +18,19 @@ trained online on the rollouts' own target features.
 ``speculative=False`` builds the same pipeline without speculation or drafter training: the
 vanilla baseline TLT is compared against (same engine code, same executable pool).
 
+:func:`warm_up_drafter` is the step before: vanilla rollouts of the initial policy, their target
+features in a buffer, optionally the drafter's reduced vocabulary from their tokens, then a
+number of drafter updates (and its top-1 on a held-out rollout).
+
 Usage::
 
-  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer
+  from jaxsys.rl.tlt import TLTConfig, make_tlt_trainer, warm_up_drafter
+  warm = warm_up_drafter(policy, drafter, rollout, [sampler_prompts(32) for _ in range(4)],
+                         seeds=range(4), steps=400)
   rollout = RolloutConfig(strategies=(Strategy(4, 1, 5),), max_new=64, max_prompt=32,
                           sampling=SamplingParams(1.0), stop_tokens=(eos,))
-  tlt = make_tlt_trainer(policy, drafter, sampler, rollout, TLTConfig(spot_steps=40),
-                         warm_rollouts=warm, reward_fn=reward, pad_id=pad)
+  tlt = make_tlt_trainer(policy, warm.drafter, sampler, rollout, TLTConfig(spot_steps=40),
+                         warm_rollouts=warm.rollouts, reward_fn=reward, pad_id=pad)
   tlt.precompile()                 # optional: every rollout executable and update width
   for _ in range(10):
     metrics = tlt.step()           # reward_mean, rollout_seconds, mean_accepted, drafter_seconds, ...
@@ -34,17 +40,20 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.core.errors import ConfigError, check_min, check_positive
+from jaxsys.core.errors import ConfigError, check_min, check_positive, check_range
 from jaxsys.rl import grpo
 from jaxsys.speculative import online
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
 from jaxsys.speculative.pool import ExecutablePool
 
-__all__ = ["drafter_seq_len", "make_tlt_trainer", "TLT", "TLTConfig"]
+__all__ = ["drafter_seq_len", "DrafterWarmup", "make_tlt_trainer", "TLT", "TLTConfig", "warm_up_drafter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +99,61 @@ class TLT:
 def drafter_seq_len(rollout: RolloutConfig) -> int:
   """Drafter training length: prompt + response, rounded up to a power of two."""
   return 1 << (rollout.max_prompt + rollout.max_new - 1).bit_length()
+
+
+@dataclasses.dataclass
+class DrafterWarmup:
+  """What :func:`warm_up_drafter` returns."""
+  drafter: Any      # the trained drafter (the one given, unchanged, when steps == 0)
+  rollouts: list    # the warm-up rollout results, in order (make_tlt_trainer's warm_rollouts)
+  metrics: dict     # the last update's metrics, heldout_top1, rollout_seconds, train_seconds
+
+
+def warm_up_drafter(policy, drafter, rollout: RolloutConfig, prompt_batches: Sequence, *,
+                    seeds: Sequence[int], steps: int, lr: float = 3e-3, batch: int = 16,
+                    draft_vocab: bool = False, heldout: tuple | None = None, heldout_rows: int = 16,
+                    buffer_seed: int = 0, pool: ExecutablePool | None = None) -> DrafterWarmup:
+  """TLT's drafter warm-up on the initial policy.
+
+  One vanilla rollout per entry of ``prompt_batches`` (batch ``k`` sampled with ``seeds[k]``, on
+  ``rollout``'s engine settings) fills a :class:`~jaxsys.speculative.online.DrafterBuffer` with
+  the target's own features; ``draft_vocab=True`` then installs the reduced draft vocabulary
+  (the drafter config's ``draft_vocab`` most frequent response tokens, FR-Spec); then ``steps``
+  updates of a :class:`~jaxsys.speculative.online.DrafterTrainer` (``lr``, ``batch`` rows of
+  :func:`drafter_seq_len` tokens). ``heldout=(prompts, seed)``: one more rollout, whose top-1 over
+  ``heldout_rows`` sampled rows is reported (top-1 on the training data alone hides memorisation).
+  """
+  from jaxsys.models.llm.drafter import drafter_loss, top_token_ids
+  if len(seeds) != len(prompt_batches):
+    raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompt_batches)} prompt batches")
+  check_range("steps", steps, 0)
+  rcfg = dataclasses.replace(rollout, speculative=False)
+  engine = RolloutEngine(policy, drafter, rcfg, pool=pool)
+  n = len(prompt_batches)
+  buffer = online.DrafterBuffer(max_steps=max(n, 1), seed=buffer_seed)
+  t0 = time.perf_counter()
+  results = [engine.generate(list(p), seed=int(s)) for p, s in zip(prompt_batches, seeds)]
+  for k, r in enumerate(results):
+    buffer.add(k - n, r.sequences, r.features, r.prompt_lengths)
+  metrics = {"rollout_seconds": time.perf_counter() - t0}
+  if draft_vocab:
+    drafter.set_draft_vocab(top_token_ids([s for r in results for s in r.sequences], drafter.config.draft_vocab,
+                                          policy.config.vocab_size,
+                                          [p for r in results for p in r.prompt_lengths]))
+  seq_len = drafter_seq_len(rcfg)
+  t0 = time.perf_counter()
+  if steps:
+    trainer = online.DrafterTrainer(drafter, lr=lr, batch=batch, seq_len=seq_len)
+    metrics.update(trainer.train(policy, buffer, steps))
+    drafter = trainer.drafter
+  metrics["train_seconds"] = time.perf_counter() - t0
+  if heldout is not None:
+    ho = online.DrafterBuffer(max_steps=1, seed=buffer_seed)
+    r = engine.generate(list(heldout[0]), seed=int(heldout[1]))
+    ho.add(0, r.sequences, r.features, r.prompt_lengths)
+    top1 = drafter_loss(drafter, policy, *(jnp.asarray(a) for a in ho.sample(heldout_rows, seq_len)))[1]["top1"]
+    metrics["heldout_top1"] = float(top1)
+  return DrafterWarmup(drafter, results, metrics)
 
 
 def make_tlt_trainer(policy, drafter, sampler, rollout: RolloutConfig,
