@@ -19,9 +19,10 @@ instructions). Measures:
 2. an EAGLE drafter warmed up on the policy's own sampled rollouts (``rl.tlt.warm_up_drafter``,
    CE over a reduced draft vocabulary of the K most frequent rollout tokens; FR-Spec / EAGLE-3),
    saved under the run dir;
-3. speculative decode speedup vs the same engine's vanilla mode (the decoding core's loop over
-   the engine's cache) at batch 1, 2, 4, 8 (``generate`` timed in the same rounds for one
-   cross-check row; sampled at the rollout temperature, interleaved best-of-N), chain and tree,
+3. speculative decode speedup vs the best vanilla decode at batch 1, 2, 4, 8 (the engine's
+   vanilla mode or the decoding core's ``generate``, whichever is faster in the same rounds: the
+   engine's still trails ``generate`` at batch 1; sampled at the rollout temperature, interleaved
+   best-of-N), chain and tree,
    reduced vs full draft vocabulary (the same trained block, drafting through all 49152 head
    rows), with the mean accepted length;
 4. greedy losslessness: speculative == vanilla token for token on 8 prompts;
@@ -280,10 +281,9 @@ def _warmup(model, sampler, stops, cfg, out, seed) -> _Warm:
 
 
 def _speedup(model, w: _Warm, sampler, stops, cfg, step_s, seed):
-  """Part 3: speculative throughput vs the same engine's vanilla mode (the decoding core's loop
-  over the engine's cache) at each batch, chain and tree, reduced and (batch 1) full draft
-  vocabulary, interleaved best-of-N; ``generate`` in the same rounds for one cross-check row.
-  Returns ``(rows, curve)``."""
+  """Part 3: speculative throughput vs the faster vanilla decode (the engine's vanilla mode or
+  ``generate``, same rounds) at each batch, chain and tree, reduced and (batch 1) full draft
+  vocabulary, interleaved best-of-N. Returns ``(rows, curve)``."""
   from jaxsys.decoding.sampling import SamplingParams
   from jaxsys.serving.generation import generate
   from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
@@ -315,21 +315,29 @@ def _speedup(model, w: _Warm, sampler, stops, cfg, step_s, seed):
         if strat is not None:
           acc[key] = r.stats["mean_accepted"] + 1
     curve["batch"].append(b)
+    # The baseline is the faster vanilla decode of these rounds: the engine's vanilla mode runs
+    # the decoding core's step over its own cache and buckets, but at batch 1 it still decodes
+    # slower than generate (a smoke run, 16 new tokens: 9.0 vs 31.1 tokens/s), and a speedup
+    # over a slow baseline is not one.
+    best = max(("vanilla", "generate"), key=lambda k: tput[k])
+    names = {"vanilla": "vanilla (same engine)", "generate": "vanilla (decoding core generate)"}
     for key, v in tput.items():
       curve.setdefault(key, []).append(v)
-      if key in ("vanilla", "generate"):
+      if key in names:
         continue
       rows.append(Row(metric=f"{key} vocab decode throughput @ batch {b}",
-                      unit="tokens/s (ratio = ours/baseline)", baseline=tput["vanilla"],
-                      baseline_name="vanilla (same engine)", ours=v, ratio=v / tput["vanilla"],
+                      unit="tokens/s (ratio = ours/baseline)", baseline=tput[best],
+                      baseline_name=names[best], ours=v, ratio=v / tput[best],
                       goal=">= 2.2" if b == 1 else None,
-                      note=f"accepted length {acc[key]:.2f} tokens/round; generate {tput['generate']:.1f} tokens/s"))
+                      note=f"accepted length {acc[key]:.2f} tokens/round; engine vanilla "
+                           f"{tput['vanilla']:.1f}, generate {tput['generate']:.1f} tokens/s"))
     print(f"[tlt/smollm2] batch {b}: tokens/s {tput} accepted {acc}", flush=True)
   if curve["batch"][0] == 1:
     rows.append(Row(metric="vanilla engine vs decoding core generate @ batch 1", unit="tokens/s",
                     baseline=curve["generate"][0], baseline_name="generate (same prompts and rounds)",
                     ours=curve["vanilla"][0], ratio=curve["vanilla"][0] / curve["generate"][0],
-                    note="one decoding loop over two cache types; both include their prefill"
+                    note="one decoding step over two cache types; both include their prefill; "
+                         "speedup rows use the faster of the two"
                          + ("" if step_s is None else f"; generate's per-step figure: {1.0 / step_s:.1f} tokens/s")))
   return rows, curve
 
