@@ -74,3 +74,33 @@ def test_spec_threshold_above_the_largest_bucket():
   n_exe = engine.pool.compilations
   assert len(engine.generate([[7, 8]]).tokens) == 1
   assert engine.pool.compilations == n_exe
+
+
+def test_prompt_buckets_prefill_short_prompts_short():
+  """``prompt_buckets``: a batch prefills at the smallest length holding its longest prompt, with
+  the same tokens as a max_prompt-long prefill (greedy, vanilla and speculative); precompile
+  builds every length, so nothing compiles afterwards; a bucket beyond max_prompt is refused."""
+  import pytest
+  from jaxsys.core.errors import ConfigError
+  model = random_model(CFG, 0)
+  drafter = EagleDrafter(DrafterConfig.for_target(CFG), rngs=nnx.Rngs(1))
+  base = dict(strategies=(Strategy.chain(2),), max_new=6, max_prompt=16, batch_buckets=(1, 4), spec_threshold=3)
+  long_only = RolloutEngine(model, drafter, RolloutConfig(**base))
+  short = RolloutEngine(model, drafter, RolloutConfig(**base, prompt_buckets=(4, 8)))
+  assert short.config.prompt_lengths == (4, 8, 16)
+  short.precompile()
+  n_exe = short.pool.compilations
+  rng = np.random.default_rng(1)
+  batches = [[rng.integers(6, CFG.vocab_size, size=size).tolist() for _ in range(4)]
+             for size in (3, 7, 12)]  # one batch per prefill length
+  want = [long_only.generate(p, speculative=spec).tokens for p in batches for spec in (False, True)]
+  used = []
+  exe = short._exe
+  short._exe = lambda kind, *a: used.append(kind) or exe(kind, *a)
+  with count_compiles() as events:
+    got = [short.generate(p, speculative=spec).tokens for p in batches for spec in (False, True)]
+  assert got == want
+  assert [k for k in used if k.startswith("prefill")] == ["prefill4"] * 2 + ["prefill8"] * 2 + ["prefill16"] * 2
+  assert short.pool.compilations == n_exe and not events
+  with pytest.raises(ConfigError, match="prompt_buckets"):
+    RolloutConfig(**base, prompt_buckets=(32,))
