@@ -29,6 +29,7 @@ from experiments._cli import reseed
 from jaxsys import graphs as G
 from jaxsys.core.bench import compiled_memory, time_fn, time_interleaved
 from jaxsys.core.errors import ConfigError
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.nn.graph import GraphAttention, graph_inputs
 from jaxsys.ops import graph_attn as GA
@@ -254,7 +255,6 @@ def community_sweep(s: dict, seed: int) -> tuple[list[Row], dict]:
 
 def train_large(s: dict, seed: int) -> tuple[list[Row], dict]:
   """A few GT training steps (topology attention, 1 layer) on the largest synthetic graph."""
-  import optax
 
   from jaxsys.graphs.node_loss import masked_node_cross_entropy
   from jaxsys.models.graph.graph_transformer import GraphTransformer, GraphTransformerConfig
@@ -270,7 +270,7 @@ def train_large(s: dict, seed: int) -> tuple[list[Row], dict]:
                                attention="sparse", topology="reformed")
   model = GraphTransformer(cfg, rngs=nnx.Rngs(reseed(0, seed)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx = optax.adam(1e-2)
+  tx = OptimizerConfig("adam", 1e-2).build()
   opt_state = tx.init(params)
   x, labels = jnp.asarray(ds_r.features), jnp.asarray(ds_r.labels)
   mask = jnp.asarray(ds_r.train_mask | ds_r.val_mask)

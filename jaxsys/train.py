@@ -73,10 +73,11 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_one_of
 from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exported: the loop's building blocks)
 from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
+from jaxsys.core.optim import OptimizerConfig
 
 __all__ = [
     "apply_optax", "causal_lm_loss", "init_health", "init_optimizer", "lower_step", "make_loop_step", "make_optimizer", "place_batch", "place_params",
-    "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "train", "TrainConfig",
+    "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "optimizer_config", "train", "TrainConfig",
     "TrainResult",
 ]
 
@@ -139,17 +140,18 @@ class TrainConfig:
     check_one_of("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def optimizer_config(cfg: TrainConfig) -> OptimizerConfig:
+  """The :class:`~jaxsys.core.optim.OptimizerConfig` ``cfg``'s fields describe: linear warmup
+  over ``warmup_steps`` (at least 1, below ``total_steps``), then a cosine to ``min_lr_ratio``
+  at ``total_steps``."""
   warm = min(cfg.warmup_steps, max(cfg.total_steps - 1, 0))
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, cfg.learning_rate, max(warm, 1), max(cfg.total_steps, warm + 2),
-      end_value=cfg.learning_rate * cfg.min_lr_ratio)
-  parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-  if cfg.optimizer == "sgd":
-    parts += [optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule, momentum=cfg.b1)]
-  else:
-    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
-  return optax.chain(*parts)
+  return OptimizerConfig(cfg.optimizer, cfg.learning_rate, "warmup_cosine", warmup_steps=max(warm, 1),
+                         decay_steps=max(cfg.total_steps, warm + 2), min_lr_ratio=cfg.min_lr_ratio,
+                         weight_decay=cfg.weight_decay, b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip or None)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  return optimizer_config(cfg).build()
 
 
 def causal_lm_loss(model, batch: dict[str, Any]):

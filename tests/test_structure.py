@@ -297,6 +297,26 @@ def test_one_on_device_decode_loop():
   assert not steps, "a decode step called outside the on-device loops:\n" + "\n".join(steps)
 
 
+OPTAX_OPTIMIZERS = {"adam", "adamw", "sgd", "lion", "lamb", "rmsprop", "adagrad", "adafactor", "nadam",
+                    "radam", "adamax", "novograd", "fromage", "lars", "yogi", "sm3", "noisy_sgd"}
+
+
+def _optax_optimizer_calls(tree: ast.AST) -> list[tuple[int, str]]:
+  return [(n.lineno, n.func.attr) for n in ast.walk(tree)
+          if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in OPTAX_OPTIMIZERS
+          and isinstance(n.func.value, ast.Name) and n.func.value.id == "optax"]
+
+
+def test_one_optimizer_construction():
+  """Every optimizer is built by ``jaxsys.core.optim.OptimizerConfig.build`` (library and
+  experiments): no other module calls an optax optimizer constructor."""
+  probe = ast.parse("tx = optax.multi_transform({'a': optax.adamw(1e-3), 'b': adam(1e-3)}, labels)")
+  assert _optax_optimizer_calls(probe) == [(1, "adamw")]  # optax's, not a local helper's
+  found = [f"{rel}:{ln} optax.{name}" for root in ("jaxsys", "experiments") for rel, tree in _sources(root)
+           if rel != "jaxsys/core/optim.py" for ln, name in _optax_optimizer_calls(tree)]
+  assert not found, "an optimizer built outside jaxsys.core.optim:\n" + "\n".join(found)
+
+
 PREFILL_VIEWS = {"Prefill", "PagedPrefill", "PagedChunk"}  # the cache views a prompt is written through
 PREFILL_HOMES = {"jaxsys/decoding/core.py": {"Prefill"},              # contiguous KV cache
                  "jaxsys/serving/prefill.py": {"PagedPrefill", "PagedChunk"}}  # paged pools (LServe)

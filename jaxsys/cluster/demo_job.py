@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError, check_positive
 
 __all__ = [
@@ -140,7 +141,6 @@ def _model_cached(seed, batch_size, dim, hidden, lr):
   cfg = argparse.Namespace(seed=seed, batch=batch_size, dim=dim, hidden=hidden, lr=lr)
   import jax
   import jax.numpy as jnp
-  import optax
 
   from jaxsys.train import apply_optax
 
@@ -163,7 +163,7 @@ def _model_cached(seed, batch_size, dim, hidden, lr):
     h = jax.nn.gelu(x @ p["w1"] + p["b1"])  # [batch, hidden]
     return jnp.mean((h @ p["w2"] - y) ** 2)
 
-  opt = optax.adam(cfg.lr)
+  opt = OptimizerConfig("adam", cfg.lr).build()
 
   @jax.jit
   def step_fn(p, o, step, poison):

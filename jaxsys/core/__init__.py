@@ -1,4 +1,4 @@
-"""Core: meshes and logical axis rules, errors, benchmark helpers, result writer, checkpoints."""
+"""Core: meshes and logical axis rules, errors, optimizers, benchmark helpers, result writer, checkpoints."""
 
 from jaxsys._lazy import lazy_exports
 
@@ -11,4 +11,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "matmul_peak_gflops": "bench", "Timing": "bench",
     "Row": "results", "write_result": "results", "run_dir": "results",
     "Checkpointer": "checkpoint",
+    "OptimizerConfig": "optim",
 })

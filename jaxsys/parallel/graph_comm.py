@@ -32,10 +32,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.core.mesh import place, program_mesh
 from jaxsys.graphs.node_loss import masked_node_cross_entropy
@@ -299,7 +299,7 @@ class SylvieTrainer:
       raise ConfigError(f"plan has num_parts={plan.num_parts} but mesh axis {cfg.axis!r} has "
                         f"{mesh.shape[cfg.axis]} devices")
     self.plan, self.dims, self.cfg, self.mesh = plan, tuple(dims), cfg, mesh
-    self.tx = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
+    self.tx = OptimizerConfig("adamw", cfg.lr, weight_decay=cfg.weight_decay).build()
     self.num_layers = len(dims) - 1
     self._step = jax.jit(self._step_impl)
     self._eval = jax.jit(self._eval_impl)

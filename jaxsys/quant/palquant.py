@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.step import make_train_step
 
@@ -199,7 +200,7 @@ def train_digits(cfg: PalQuantConfig, *, seed: int = 0, epochs: int = 30, batch:
   net = PalQuantNet(cfg, rngs=nnx.Rngs(seed))
   nnx.jit(lambda m, x: m.calibrate(x))(net, jnp.asarray(xtr[:256]))
   graphdef, params, rest = nnx.split(net, nnx.Param, ...)
-  tx = optax.adam(optax.cosine_decay_schedule(lr, epochs * (len(xtr) // batch)))
+  tx = OptimizerConfig("adam", lr, "cosine", decay_steps=epochs * (len(xtr) // batch)).build()
   opt = tx.init(params)
 
   def loss_fn(model, xb, yb):  # xb [batch, 8, 8, 1], yb int[batch]

@@ -68,13 +68,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_positive, check_range
 from jaxsys.models.llm.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.core.mesh import RULE_SETS, auto_mesh
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.train import apply_optax, init_optimizer, place_batch, place_params
 
 __all__ = [
@@ -122,6 +122,9 @@ class GRPOConfig:
   # Rematerialise each block in the update's backward pass (activation memory of one block
   # instead of all of them, for ~1/3 more update FLOPs).
   remat: bool = False
+  # The update's optimizer (jaxsys.core.optim); None: Adam at ``lr``. Given, it owns the
+  # learning rate, and ``lr`` must stay at its default.
+  optimizer: OptimizerConfig | None = None
 
   def __post_init__(self):
     check_min(self, 2, "group_size", note=" (advantages are group-relative)")
@@ -145,6 +148,11 @@ class GRPOConfig:
     check_min(self, 0, "overlong_penalty")
     check_min(self, 0, "kl_coef")
     check_positive(self, "lr")
+    if self.optimizer is not None:
+      if not isinstance(self.optimizer, OptimizerConfig):
+        raise ConfigError(f"optimizer={self.optimizer!r} must be a jaxsys.core.optim.OptimizerConfig or None")
+      if self.lr != GRPOConfig.lr:
+        raise ConfigError(f"lr={self.lr} and optimizer= both set the learning rate; set optimizer.lr only")
     check_min(self, 0, "length_bucket", note=" (0 disables length grouping)")
     n = self.group_size * self.prompts_per_step
     if self.minibatches < 1 or n % self.minibatches:
@@ -170,6 +178,10 @@ class GRPOConfig:
     """``"dapo"`` or ``"dr_grpo"`` (see :meth:`dapo`, :meth:`dr_grpo`) with ``overrides``."""
     check_one_of("preset", name, PRESETS)
     return getattr(cls, name)(**overrides)
+
+  def optimizer_config(self) -> OptimizerConfig:
+    """The update's optimizer: ``optimizer``, or Adam at ``lr``."""
+    return self.optimizer or OptimizerConfig("adam", lr=self.lr)
 
   @property
   def clip_range(self) -> tuple[float, float]:
@@ -312,7 +324,7 @@ class GRPOTrainer:
     # the reference policy is only read when its KL term has weight (not by DAPO / Dr.GRPO)
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if self.mesh is not None
                        else copy.deepcopy(jax.device_get(self.params))) if config.kl_coef else None
-    self.tx = optax.adam(config.lr)
+    self.tx = config.optimizer_config().build()
     self.opt_state = init_optimizer(self.tx, self.params, self.mesh)
     self.rng = np.random.default_rng(config.seed)
     self.step_count = 0

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxsys.models import DecoderConfig
 from jaxsys.models.llm.decoder import Decoder
 from jaxsys.rl import tasks as tasks_lib
+from jaxsys.core.optim import warmup_cosine
 from jaxsys.train import make_train_step
 
 __all__ = ["cached_policy", "policy_config", "pretrain_policy"]
@@ -42,7 +43,7 @@ def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, ba
   seq_len = sampler.max_prompt + sampler.max_response
   seq_len = 1 << (seq_len - 1).bit_length()
   gdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr * 0.1))
+  tx = warmup_cosine(lr, steps).build()
   opt = tx.init(params)
 
   def loss_fn(model, tokens, mask):  # tokens, mask [batch, seq_len]; mask 1 on answer tokens

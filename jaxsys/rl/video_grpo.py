@@ -47,10 +47,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_one_of, check_positive, check_range
+from jaxsys.core.optim import warmup_cosine
 from jaxsys.data import video
 from jaxsys.decoding import core
 from jaxsys.decoding.cache import KVCache
@@ -173,7 +173,7 @@ class _Program:
 
 
 def _optimizer(config: VideoGRPOConfig):
-  return optax.adam(config.grpo.lr)
+  return config.grpo.optimizer_config().build()
 
 
 def _pass_model(prog: _Program, params, rest, sharded: bool):
@@ -488,7 +488,7 @@ def pretrain_video_policy(model, tasks: vt.VideoTaskSampler, *, steps: int = 200
     check_range(name, value, lo=1)
   lay = RowLayout(tasks.n_frames, model.cfg.tokens_per_frame, tasks.max_response)
   gdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr * 0.1))
+  tx = warmup_cosine(lr, steps).build()
   opt = tx.init(params)
 
   def loss_fn(m, frames, inputs, slots, mask):  # teacher forcing on the answer + EOS

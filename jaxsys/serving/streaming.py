@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.ops import attention, masks
 from jaxsys.train import apply_optax
@@ -184,7 +184,7 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
 
 @functools.lru_cache(maxsize=8)
 def _adam(lr: float):
-  return optax.adam(lr)
+  return OptimizerConfig("adam", lr).build()
 
 
 def _answer_data(data):

@@ -25,10 +25,10 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
 from jaxsys.train import make_train_step
 
@@ -81,7 +81,7 @@ class DrafterTrainer:
     if lr <= 0:
       raise ConfigError(f"lr={lr} must be positive")
     self.gdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
-    self.tx = optax.adamw(lr, weight_decay=weight_decay)
+    self.tx = OptimizerConfig("adamw", lr, weight_decay=weight_decay).build()
     self.opt_state = self.tx.init(self.params)
     self.batch, self.seq_len = batch, seq_len
     self.steps_done = 0

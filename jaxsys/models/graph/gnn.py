@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
 from jaxsys.models.graph.node_classification import run_node_training
@@ -233,8 +234,9 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   labels = jax.tree_util.tree_map_with_path(_label, params)
   tx = optax.multi_transform({
-      "weights": optax.adamw(cfg.lr, weight_decay=cfg.weight_decay),
-      "step": optax.adam(cfg.lr_step), "bits": optax.adam(cfg.lr_bits)}, labels)
+      "weights": OptimizerConfig("adamw", cfg.lr, weight_decay=cfg.weight_decay).build(),
+      "step": OptimizerConfig("adam", cfg.lr_step).build(), "bits": OptimizerConfig("adam", cfg.lr_bits).build()},
+      labels)
   train_mask = data.train_mask
 
   def loss_fn(model, seed):

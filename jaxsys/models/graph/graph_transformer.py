@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
@@ -331,14 +332,11 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
   wall time per step (evaluations included, compilation excluded). ``progress``: a tqdm bar (on
   stderr) that the compiled run advances at every evaluation, with the loss and val accuracy.
   """
-  import optax
 
   from jaxsys.train import make_train_step
   labels = jnp.asarray(ds.labels)
   masks = {k: jnp.asarray(getattr(ds, f"{k}_mask")) for k in ("train", "val", "test")}
-  tx = optax.adamw(lr, weight_decay=weight_decay)
-  if l2:
-    tx = optax.chain(optax.add_decayed_weights(l2), tx)
+  tx = OptimizerConfig("adamw", lr, weight_decay=weight_decay, l2=l2).build()
   model.train()
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   dense = np.array([bool(dense_schedule(i)) if dense_schedule else False for i in range(steps)])

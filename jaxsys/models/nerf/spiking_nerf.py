@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsys.core.optim import OptimizerConfig
 from jaxsys.core.errors import ConfigError, InputError, check_one_of, check_positive, check_range
 from jaxsys.nerf import packing as P
 from jaxsys.nerf.grids import (Box, VoxelGrid, density_shift, density_to_alpha, lattice_points,
@@ -267,11 +268,13 @@ def make_optimizer(steps: int, *, lr_grid: float = 0.1, lr_mlp: float = 1e-3,
         lambda path, _: "mlp" if any(getattr(k, "key", None) == "mlp" for k in path) else "grid",
         params)
 
-  sched = lambda lr: optax.exponential_decay(lr, max(steps, 1), decay)  # noqa: E731
+  def adam(lr, eps=1e-8):
+    return OptimizerConfig("adam", lr, "exponential", decay_steps=max(steps, 1), min_lr_ratio=decay, b2=0.99,
+                           eps=eps).build()
+
   # betas (0.9, 0.99) as DVGO; a tiny eps for the grids: at alpha_init = 1e-6 the density
   # gradients are ~1e-9 and Adam's default eps (1e-8) would stall the first steps.
-  return optax.multi_transform({"grid": optax.adam(sched(lr_grid), b2=0.99, eps=1e-15),
-                                "mlp": optax.adam(sched(lr_mlp), b2=0.99)}, labels)
+  return optax.multi_transform({"grid": adam(lr_grid, eps=1e-15), "mlp": adam(lr_mlp)}, labels)
 
 
 def _loss(model, rays_o, rays_d, target, mode, max_len, max_rays):

@@ -15,7 +15,7 @@ Usage::
   cfg = DATEConfig(num_classes=5, dual=True)
   model = DATE(cfg, rngs=nnx.Rngs(0))
   loss, metrics = date_loss(model, images, gt_boxes, gt_labels, gt_valid)
-  step = make_date_train_step(model, optax.adamw(1e-3))       # one jit, Hungarian included
+  step = make_date_train_step(model, OptimizerConfig("adamw", 1e-3).build())   # one jit, Hungarian included
   det = model.detect(images)                                   # NMS-free, one-to-one branch
   det = model.detect(images, branch="o2m", nms_iou=0.6)        # FCOS branch with NMS
 """
