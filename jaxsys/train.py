@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Collection
@@ -72,12 +73,13 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_one_of
 from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exported: the loop's building blocks)
-from jaxsys.core.mesh import RULE_SETS, logical_sharding, on_auto_axes
+from jaxsys.core.mesh import RULE_SETS, entry_axes, logical_sharding, logical_to_spec, on_auto_axes
 from jaxsys.core.optim import OptimizerConfig
 
 __all__ = [
     "apply_optax", "causal_lm_loss", "init_health", "init_optimizer", "lower_step", "make_loop_step", "make_optimizer", "place_batch", "place_params",
-    "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "optimizer_config", "train", "TrainConfig",
+    "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "optimizer_config", "place_states", "train",
+    "TrainConfig",
     "TrainResult",
 ]
 
@@ -319,12 +321,30 @@ def init_optimizer(tx, params, mesh=None):
                       else jax.device_put(x, rep), state)
 
 
+def place_states(model, mesh, rules, *states, replicate_indivisible: bool = False) -> None:
+  """Places each ``nnx.State`` of ``states`` (``model``'s parameters, or a subset of them) on
+  ``mesh`` as ``rules`` shard them (``jaxsys.nn.layers.param_specs``), in place; no-op without a
+  mesh. Optimizer state ``init``-ed from them, and copies of them, inherit the placement."""
+  if mesh is None:
+    return
+  from jaxsys.nn.layers import param_specs
+  specs = nnx.to_pure_dict(param_specs(model, mesh, rules, replicate_indivisible=replicate_indivisible))
+  for state in states:
+    nnx.replace_by_pure_dict(state, place_params(nnx.to_pure_dict(state), specs, mesh))
+
+
 def place_batch(batch, mesh):
   """Each host array of ``batch`` on the device(s): split over the "batch" rule's mesh axes, or
   on the default device without a mesh (``device_put``, not ``jnp.asarray``: the latter compiles
-  a staging copy for every new shape)."""
+  a staging copy for every new shape). Rows those axes do not divide are a ``ShapeError``."""
   if mesh is None:
     return jax.tree.map(jax.device_put, batch)
+  axes = entry_axes(logical_to_spec(("batch",), mesh)[0])
+  ways = math.prod(mesh.shape[a] for a in axes)
+  for x in jax.tree.leaves(batch):
+    if x.ndim and x.shape[0] % ways:
+      name = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+      raise ShapeError(f"{x.shape[0]} rows do not divide over the mesh's {name} axis; pass a multiple of {ways}")
   return jax.tree.map(
       lambda x: jax.device_put(x, logical_sharding(("batch",) + (None,) * (x.ndim - 1), mesh)),
       batch)
@@ -497,14 +517,12 @@ def _setup(model, cfg: TrainConfig, mesh):
   (every nnx.Param, or the LoRA adapters alone, minus ``cfg.freeze``) placed on ``mesh`` by
   ``cfg.rules``, the rest of the model state (frozen parameters placed the same way: no
   gradient, no optimizer state), the trained state's shapes and the fresh optimizer state."""
-  from jaxsys.nn.layers import param_specs
   from jaxsys.nn.lora import trainable_filter
   graphdef, params_state, frozen, rest = nnx.split(model, trainable_filter(model, cfg.freeze),
                                                    nnx.Param, ...)
   if mesh is not None:
-    specs = nnx.to_pure_dict(param_specs(model, mesh, cfg.rules, replicate_indivisible=cfg.replicate_indivisible))
-    params = place_params(nnx.to_pure_dict(params_state), specs, mesh)
-    nnx.replace_by_pure_dict(frozen, place_params(nnx.to_pure_dict(frozen), specs, mesh))
+    place_states(model, mesh, cfg.rules, params_state, frozen, replicate_indivisible=cfg.replicate_indivisible)
+    params = nnx.to_pure_dict(params_state)
   else:
     params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params_state))  # donated by the step
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)

@@ -75,11 +75,11 @@ from jaxsys.models.llm.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.core.mesh import RULE_SETS, auto_mesh
 from jaxsys.core.optim import OptimizerConfig
-from jaxsys.train import apply_optax, init_optimizer, place_batch, place_params
+from jaxsys.train import apply_optax, init_optimizer, place_batch, place_states
 
 __all__ = [
     "ADV_NORMS", "build_batch", "group_advantages", "grpo_loss", "GRPOConfig", "GRPOTrainer",
-    "LOSS_AGGS", "overlong_reward", "place_policy", "policy_objective", "PRESETS",
+    "LOSS_AGGS", "overlong_reward", "policy_objective", "PRESETS",
     "token_logprobs", "train_mesh", "zero_variance_groups",
 ]
 
@@ -315,7 +315,7 @@ class GRPOTrainer:
       raise ConfigError("GRPO needs sampled rollouts: engine sampling temperature must be > 0")
     self.mesh = train_mesh(mesh, config, rules)
     self.gdef, self.params, self.rest = nnx.split(policy, nnx.Param, ...)
-    place_policy(self.params, policy, self.mesh, rules)
+    place_states(policy, self.mesh, rules, self.params)
     if config.remat and not isinstance(policy, Decoder):
       raise ConfigError(f"GRPOConfig.remat needs a jaxsys Decoder policy, got {type(policy).__name__}")
     # the update's graph: the same parameters, blocks rematerialised when config.remat
@@ -521,14 +521,3 @@ def train_mesh(mesh, config: GRPOConfig, rules: str):
     raise ConfigError(f"a minibatch of {rows} rows (group_size x prompts_per_step / minibatches) "
                       f"does not divide over the mesh's data={data} axis")
   return auto_mesh(mesh)
-
-
-def place_policy(params, policy, mesh, rules: str) -> None:
-  """Places ``params`` (an ``nnx.State`` of ``policy``'s parameters, or a subset of them) on
-  ``mesh`` as ``rules`` shard them (``jaxsys.nn.layers.param_specs``), in place; no-op without a
-  mesh. The optimizer state ``init``-ed from them, and copies of them, inherit the placement."""
-  if mesh is None:
-    return
-  from jaxsys.nn.layers import param_specs
-  specs = nnx.to_pure_dict(param_specs(policy, mesh, rules))
-  nnx.replace_by_pure_dict(params, place_params(nnx.to_pure_dict(params), specs, mesh))

@@ -104,7 +104,7 @@ def drafter_seq_len(rollout: RolloutConfig) -> int:
 @dataclasses.dataclass
 class DrafterWarmup:
   """What :func:`warm_up_drafter` returns."""
-  drafter: Any      # the trained drafter (the one given, unchanged, when steps == 0)
+  drafter: Any      # the trained drafter (with steps == 0 the one given, draft_vocab=True's vocabulary installed)
   rollouts: list    # the warm-up rollout results, in order (make_tlt_trainer's warm_rollouts)
   metrics: dict     # the last update's metrics, heldout_top1, rollout_seconds, train_seconds
 
@@ -117,8 +117,9 @@ def warm_up_drafter(policy, drafter, rollout: RolloutConfig, prompt_batches: Seq
 
   One vanilla rollout per entry of ``prompt_batches`` (batch ``k`` sampled with ``seeds[k]``, on
   ``rollout``'s engine settings) fills a :class:`~jaxsys.speculative.online.DrafterBuffer` with
-  the target's own features; ``draft_vocab=True`` then installs the reduced draft vocabulary
-  (the drafter config's ``draft_vocab`` most frequent response tokens, FR-Spec); then ``steps``
+  the target's own features; ``draft_vocab=True`` then installs the reduced draft vocabulary on
+  ``drafter`` itself (the drafter config's ``draft_vocab`` most frequent response tokens,
+  FR-Spec); then ``steps``
   updates of a :class:`~jaxsys.speculative.online.DrafterTrainer` (``lr``, ``batch`` rows of
   :func:`drafter_seq_len` tokens). ``heldout=(prompts, seed)``: one more rollout, whose top-1 over
   ``heldout_rows`` sampled rows is reported (top-1 on the training data alone hides memorisation).

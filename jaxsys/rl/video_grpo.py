@@ -58,7 +58,7 @@ from jaxsys.decoding.sampling import SamplingParams, loop_params
 from jaxsys.parallel import zigzag as zz
 from jaxsys.rl import grpo
 from jaxsys.rl import video_tasks as vt
-from jaxsys.train import apply_optax, init_optimizer, place_batch
+from jaxsys.train import apply_optax, init_optimizer, place_batch, place_states
 
 __all__ = [
     "build_rows", "encode_videos", "LM_PARAMS", "MODES", "pretrain_video_policy", "RECIPE",
@@ -169,7 +169,10 @@ class _Program:
   gdef: Any          # the single-device VLM (rollout prompt embedding)
   pass_gdef: Any     # the VLM of the log-prob / update passes (the sharded twin in cached_sp)
   config: VideoGRPOConfig
-  sharded: bool
+
+  @property
+  def sharded(self) -> bool:
+    return self.config.mode == "cached_sp"
 
 
 def _optimizer(config: VideoGRPOConfig):
@@ -262,7 +265,7 @@ class VideoGRPOTrainer:
       # the single-device placement would recompile every pass after the first step.
       from jax.sharding import NamedSharding, PartitionSpec
       self.rest = jax.device_put(self.rest, NamedSharding(self.mesh, PartitionSpec()))
-      grpo.place_policy(self.params, model, self.mesh, rules)
+      place_states(model, self.mesh, rules, self.params)
     self.ref_params = jax.tree.map(jnp.copy, self.params)
     self.opt_state = init_optimizer(_optimizer(config), self.params, self.mesh)
     self.rng = np.random.default_rng(config.grpo.seed)
@@ -272,7 +275,7 @@ class VideoGRPOTrainer:
     self._maps: dict = {}
     # The compiled passes are module-level, keyed by this static program: trainers of the same
     # model structure and config share their executables.
-    prog = _Program(self.gdef, self.pass_gdef, config, config.mode == "cached_sp")
+    prog = _Program(self.gdef, self.pass_gdef, config)
     self._encode = functools.partial(_encode_jit, prog)
     self._embed_prompt = functools.partial(_embed_prompt_jit, prog)
     self._logp = functools.partial(_logp_jit, prog)
@@ -314,12 +317,8 @@ class VideoGRPOTrainer:
     return self._put(batch)
 
   def _put(self, rows):
-    """Per-row host arrays (a pytree, rows first) on the device(s): split over the mesh's
-    "data" axis (``jaxsys.train.place_batch``), which must divide the row count."""
-    data = self.mesh.shape.get("data", 1) if self.mesh is not None else 1
-    n = jax.tree.leaves(rows)[0].shape[0]
-    if n % data:
-      raise ShapeError(f"{n} rows do not divide over the mesh's data={data} axis; pass a multiple of {data}")
+    """Per-row host arrays (a pytree, rows first) on the device(s), split over the mesh's "data"
+    axis (``jaxsys.train.place_batch``, which refuses a row count the axis does not divide)."""
     return place_batch(jax.tree.map(np.asarray, rows), self.mesh)
 
   def encode(self, frames):
