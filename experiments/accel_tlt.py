@@ -9,8 +9,8 @@ vocabulary) with its settings, except the warm-up data (``--warm-rollouts`` x 8 
 ``--warm-steps``; the CPU runs had 16 x 8 and 400):
 
 * ``drafter``: parts ``speedup``: the warm-up rollouts, the drafter's training on them (held-out
-  top-1 reported), then speculative decode vs the best vanilla decode (the engine's or the decoding
-  core's ``generate``, timed in the same rounds) at batch 1, 2, 4, 8 with the accepted tokens per
+  top-1 reported), then speculative decode vs the same engine's vanilla mode (with the decoding
+  core's ``generate`` timed in the same rounds as a cross-check) at batch 1, 2, 4, 8 with the accepted tokens per
   round. The drafter goes to ``<out>/drafters/<name>.npz`` (``jaxsys.assets``: float16 weights and
   the draft vocabulary's ids, with the settings; ``drafter_from_asset`` rebuilds it), the rows to
   ``<out>/tlt_speedup/result.json``.

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, check_positive
 
 __all__ = [
@@ -116,6 +116,8 @@ class FailureInjector:
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
+  """The job's settings. ``optimizer`` (a ``jaxsys.core.optim.OptimizerConfig``): the MLP's
+  optimizer; None: Adam at ``lr``, and given, ``lr`` stays at its default."""
   ckpt_dir: str
   steps: int = 40
   ckpt_every: int = 5
@@ -126,19 +128,26 @@ class DemoConfig:
   lr: float = 1e-2
   max_to_keep: int = 3
   step_sleep: float = 0.0
+  optimizer: OptimizerConfig | None = None
 
   def __post_init__(self):
     check_positive(self, "steps", "ckpt_every", "batch", "dim", "hidden", "max_to_keep", "lr")
+    check_nested(self, "lr")
+
+  def optimizer_config(self) -> OptimizerConfig:
+    """The MLP's optimizer: ``optimizer``, or Adam at ``lr``."""
+    return self.optimizer or OptimizerConfig("adam", self.lr)
 
 
 def _model(cfg: DemoConfig):
-  # One compiled step per model shape: restarts in the same process reuse it.
-  return _model_cached(cfg.seed, cfg.batch, cfg.dim, cfg.hidden, cfg.lr)
+  # One compiled step per model shape and optimizer (a frozen, hashable OptimizerConfig):
+  # restarts in the same process reuse it.
+  return _model_cached(cfg.seed, cfg.batch, cfg.dim, cfg.hidden, cfg.optimizer_config())
 
 
 @functools.lru_cache(maxsize=8)
-def _model_cached(seed, batch_size, dim, hidden, lr):
-  cfg = argparse.Namespace(seed=seed, batch=batch_size, dim=dim, hidden=hidden, lr=lr)
+def _model_cached(seed, batch_size, dim, hidden, optimizer: OptimizerConfig):
+  cfg = argparse.Namespace(seed=seed, batch=batch_size, dim=dim, hidden=hidden)
   import jax
   import jax.numpy as jnp
 
@@ -163,7 +172,7 @@ def _model_cached(seed, batch_size, dim, hidden, lr):
     h = jax.nn.gelu(x @ p["w1"] + p["b1"])  # [batch, hidden]
     return jnp.mean((h @ p["w2"] - y) ** 2)
 
-  opt = OptimizerConfig("adam", cfg.lr).build()
+  opt = optimizer.build()
 
   @jax.jit
   def step_fn(p, o, step, poison):

@@ -20,17 +20,27 @@ Schedules (``lr`` is the peak):
 decay; ``"sgd"`` is momentum ``b1`` SGD with decoupled ``weight_decay`` added before the step.
 ``grad_clip`` clips the global gradient norm first; ``l2`` adds ``l2 * params`` to the gradient
 before the optimizer (coupled L2, as torch's Adam ``weight_decay``).
+
+Configs that train something nest one (``optimizer: OptimizerConfig | None = None``; None: the
+one their shorthand fields such as ``lr`` describe; given, those fields must stay at their
+defaults, checked by :func:`check_nested`): ``jaxsys.train.TrainConfig`` maps its own fields,
+``GRPOConfig``, ``TLTConfig`` (``drafter_optimizer``), ``GNNTrainConfig`` (its weights),
+``SylvieConfig``, ``DemoConfig``; as keyword arguments ``train_graph_transformer``, PalQuant's
+``train_digits``, SpikingNeRF's ``make_optimizer``/``fit`` (``grid_optimizer``, ``mlp_optimizer``)
+and the online ``DrafterTrainer``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 
 import optax
 
 from jaxsys.core.errors import ConfigError, check_one_of
 
-__all__ = ["OPTIMIZER_NAMES", "OptimizerConfig", "SCHEDULES", "warmup_cosine"]
+__all__ = ["check_nested", "OPTIMIZER_NAMES", "OptimizerConfig", "SCHEDULES", "warmup_cosine"]
 
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "exponential")
@@ -99,3 +109,52 @@ def warmup_cosine(lr: float, steps: int, *, min_lr_ratio: float = 0.1, weight_de
   default)."""
   return OptimizerConfig("adamw", lr, "warmup_cosine", warmup_steps=max(steps // 10, 1), decay_steps=steps,
                          min_lr_ratio=min_lr_ratio, weight_decay=weight_decay)
+
+
+# How a conflict message names the OptimizerConfig field a shorthand argument stands for.
+_SETS = {"lr": "the learning rate", "weight_decay": "the weight decay", "l2": "the coupled L2 term"}
+
+
+def _target(shorthand: str) -> str | None:
+  """The OptimizerConfig field a shorthand name stands for: ``lr``, ``drafter_lr``, ``lr_grid``
+  -> ``lr``; ``drafter_weight_decay`` -> ``weight_decay``; None when no field matches."""
+  names = sorted((f.name for f in dataclasses.fields(OptimizerConfig)), key=len, reverse=True)
+  return next((f for f in names if shorthand == f or shorthand.endswith("_" + f) or shorthand.startswith(f + "_")),
+              None)
+
+
+def check_nested(config, *shorthand: str, field: str = "optimizer", defaults=None) -> None:
+  """The nested-optimizer check of a config that also keeps shorthand fields (``lr``, ...).
+
+  ``config.<field>`` must be an :class:`OptimizerConfig` or None; when it is set, each
+  ``shorthand`` field must equal its default, since the nested config owns every setting and a
+  changed shorthand value would be silently ignored. ``config``: a dataclass instance (defaults:
+  its field defaults), or a function's arguments as a mapping ``{name: value}`` with
+  ``defaults`` that function (defaults: its signature's)::
+
+    check_nested(self, "lr", "weight_decay")                                     # in __post_init__
+    check_nested(dict(optimizer=optimizer, lr=lr), "lr", defaults=train_digits)  # in a function
+
+  Raises ConfigError naming the argument: ``optimizer=... must be a
+  jaxsys.core.optim.OptimizerConfig or None``, ``lr=0.1 and optimizer= both set the learning
+  rate; set optimizer.lr only``.
+  """
+  if defaults is None:
+    get = functools.partial(getattr, config)
+    default = {f.name: f.default for f in dataclasses.fields(config)}
+  else:
+    get = config.__getitem__
+    default = {n: p.default for n, p in inspect.signature(defaults).parameters.items()}
+  nested = get(field)
+  if nested is None:
+    return
+  if not isinstance(nested, OptimizerConfig):
+    raise ConfigError(f"{field}={nested!r} must be a jaxsys.core.optim.OptimizerConfig or None")
+  for name in shorthand:
+    value = get(name)
+    if value != default[name]:
+      target = _target(name)
+      if target is None:
+        raise ConfigError(f"{name}={value!r} and {field}= both describe the optimizer; set {field} only")
+      what = _SETS.get(target, f"the optimizer's {target}")
+      raise ConfigError(f"{name}={value!r} and {field}= both set {what}; set {field}.{target} only")

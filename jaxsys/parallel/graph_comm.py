@@ -35,7 +35,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
 from jaxsys.core.mesh import place, program_mesh
 from jaxsys.graphs.node_loss import masked_node_cross_entropy
@@ -53,18 +53,27 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class SylvieConfig:
+  """``SylvieTrainer``'s settings. ``optimizer`` (a ``jaxsys.core.optim.OptimizerConfig``): the
+  parameters' optimizer; None: AdamW at ``lr`` with ``weight_decay``, and given, those two stay
+  at their defaults."""
   quantize: bool = True     # 1-bit boundary features (forward) and gradients (backward)
   staleness: int = 0        # boundary data up to this many epochs old (0 = synchronous)
   dropout: float = 0.5
   lr: float = 0.01
   weight_decay: float = 5e-4
   axis: str = "graph"
+  optimizer: OptimizerConfig | None = None
 
   def __post_init__(self):
     if self.staleness < 0:
       raise ConfigError(f"staleness={self.staleness} must be >= 0")
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f"dropout={self.dropout} must lie in [0, 1)")
+    check_nested(self, "lr", "weight_decay")
+
+  def optimizer_config(self) -> OptimizerConfig:
+    """The parameters' optimizer: ``optimizer``, or AdamW at ``lr`` with ``weight_decay``."""
+    return self.optimizer or OptimizerConfig("adamw", self.lr, weight_decay=self.weight_decay)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -299,7 +308,7 @@ class SylvieTrainer:
       raise ConfigError(f"plan has num_parts={plan.num_parts} but mesh axis {cfg.axis!r} has "
                         f"{mesh.shape[cfg.axis]} devices")
     self.plan, self.dims, self.cfg, self.mesh = plan, tuple(dims), cfg, mesh
-    self.tx = OptimizerConfig("adamw", cfg.lr, weight_decay=cfg.weight_decay).build()
+    self.tx = cfg.optimizer_config().build()
     self.num_layers = len(dims) - 1
     self._step = jax.jit(self._step_impl)
     self._eval = jax.jit(self._eval_impl)

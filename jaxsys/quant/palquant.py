@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.step import make_train_step
 
@@ -194,13 +194,18 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
 
 
 def train_digits(cfg: PalQuantConfig, *, seed: int = 0, epochs: int = 30, batch: int = 64,
-                 lr: float = 3e-3, data=None) -> dict:
-  """Trains ``PalQuantNet`` on digits; returns test accuracy and bit-op cost per image."""
+                 lr: float = 3e-3, optimizer: OptimizerConfig | None = None, data=None) -> dict:
+  """Trains ``PalQuantNet`` on digits; returns test accuracy and bit-op cost per image.
+
+  The optimizer is Adam at ``lr`` cosine-decayed to 0 over the run's steps, or ``optimizer`` (a
+  ``jaxsys.core.optim.OptimizerConfig``; given, ``lr`` stays at its default).
+  """
+  check_nested(dict(optimizer=optimizer, lr=lr), "lr", defaults=train_digits)
   xtr, xte, ytr, yte = data if data is not None else load_digits_split(0)
+  tx = (optimizer or OptimizerConfig("adam", lr, "cosine", decay_steps=epochs * (len(xtr) // batch))).build()
   net = PalQuantNet(cfg, rngs=nnx.Rngs(seed))
   nnx.jit(lambda m, x: m.calibrate(x))(net, jnp.asarray(xtr[:256]))
   graphdef, params, rest = nnx.split(net, nnx.Param, ...)
-  tx = OptimizerConfig("adam", lr, "cosine", decay_steps=epochs * (len(xtr) // batch)).build()
   opt = tx.init(params)
 
   def loss_fn(model, xb, yb):  # xb [batch, 8, 8, 1], yb int[batch]

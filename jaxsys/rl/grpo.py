@@ -74,7 +74,7 @@ from jaxsys.core.errors import ConfigError, check_min, check_one_of, check_posit
 from jaxsys.models.llm.decoder import Decoder, replace_config
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.core.mesh import RULE_SETS, auto_mesh
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.train import apply_optax, init_optimizer, place_batch, place_states
 
 __all__ = [
@@ -148,11 +148,7 @@ class GRPOConfig:
     check_min(self, 0, "overlong_penalty")
     check_min(self, 0, "kl_coef")
     check_positive(self, "lr")
-    if self.optimizer is not None:
-      if not isinstance(self.optimizer, OptimizerConfig):
-        raise ConfigError(f"optimizer={self.optimizer!r} must be a jaxsys.core.optim.OptimizerConfig or None")
-      if self.lr != GRPOConfig.lr:
-        raise ConfigError(f"lr={self.lr} and optimizer= both set the learning rate; set optimizer.lr only")
+    check_nested(self, "lr")
     check_min(self, 0, "length_bucket", note=" (0 disables length grouping)")
     n = self.group_size * self.prompts_per_step
     if self.minibatches < 1 or n % self.minibatches:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, check_min, check_positive, check_range
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.rl import grpo
 from jaxsys.speculative import online
 from jaxsys.speculative.engine import RolloutConfig, RolloutEngine
@@ -58,7 +59,12 @@ __all__ = ["drafter_seq_len", "DrafterWarmup", "make_tlt_trainer", "TLT", "TLTCo
 
 @dataclasses.dataclass(frozen=True)
 class TLTConfig:
-  """GRPO settings (nested) plus the online drafter's: buffer size, optimiser, update count."""
+  """GRPO settings (nested) plus the online drafter's: buffer size, optimiser, update count.
+
+  ``drafter_optimizer`` (a ``jaxsys.core.optim.OptimizerConfig``) is the online drafter's
+  optimizer; None: AdamW at ``drafter_lr`` with ``drafter_weight_decay``, and given, those two
+  stay at their defaults. (The policy's optimizer is ``grpo.optimizer``, hence the prefix.)
+  """
   grpo: grpo.GRPOConfig = grpo.GRPOConfig()
   online_buffer: int = 6        # rollouts the drafter trains on (the latest ones)
   drafter_lr: float = 5e-4
@@ -68,6 +74,7 @@ class TLTConfig:
   synchronous: bool = True      # updates between rollouts (True) or during the long tail
   vanilla_arm: bool = True      # the bandit may also run the long tail without drafting
   buffer_seed: int = 1
+  drafter_optimizer: OptimizerConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.grpo, grpo.GRPOConfig):
@@ -75,6 +82,12 @@ class TLTConfig:
     check_min(self, 1, "online_buffer", "drafter_batch", "spot_steps")
     check_positive(self, "drafter_lr")
     check_min(self, 0, "drafter_weight_decay")
+    check_nested(self, "drafter_lr", "drafter_weight_decay", field="drafter_optimizer")
+
+  def drafter_optimizer_config(self) -> OptimizerConfig:
+    """The online drafter's optimizer: ``drafter_optimizer``, or AdamW at ``drafter_lr`` with
+    ``drafter_weight_decay``."""
+    return self.drafter_optimizer or OptimizerConfig("adamw", self.drafter_lr, weight_decay=self.drafter_weight_decay)
 
 
 @dataclasses.dataclass
@@ -185,9 +198,8 @@ def make_tlt_trainer(policy, drafter, sampler, rollout: RolloutConfig,
   if speculative:
     for j, r in enumerate(list(warm_rollouts)[-n:]):
       buffer.add(j - n, r.sequences, r.features, r.prompt_lengths)
-    dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter)), lr=config.drafter_lr,
-                                batch=config.drafter_batch, seq_len=drafter_seq_len(rcfg),
-                                weight_decay=config.drafter_weight_decay)
+    dtr = online.DrafterTrainer(nnx.merge(*nnx.split(drafter)), batch=config.drafter_batch,
+                                seq_len=drafter_seq_len(rcfg), optimizer=config.drafter_optimizer_config())
     if len(buffer):
       dtr.warm_up(policy, buffer)  # compiles the update before step 1 (state restored)
     spot = online.SpotTrainer(dtr, buffer, max_steps=config.spot_steps,

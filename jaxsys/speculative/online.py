@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.models.llm.drafter import DrafterConfig, EagleDrafter, check_compatible, drafter_loss
 from jaxsys.train import make_train_step
 
@@ -77,11 +77,14 @@ class DrafterTrainer:
   """Adam on the drafter's parameters only (the target's embedding/head stay frozen)."""
 
   def __init__(self, drafter: EagleDrafter, *, lr: float = 1e-3, batch: int = 16, seq_len: int = 64,
-               weight_decay: float = 0.0):
+               weight_decay: float = 0.0, optimizer: OptimizerConfig | None = None):
+    # optimizer: replaces the AdamW that lr and weight_decay describe (both then stay at their defaults).
     if lr <= 0:
       raise ConfigError(f"lr={lr} must be positive")
+    check_nested(dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay), "lr", "weight_decay",
+                 defaults=DrafterTrainer.__init__)
     self.gdef, self.params, self.rest = nnx.split(drafter, nnx.Param, ...)
-    self.tx = OptimizerConfig("adamw", lr, weight_decay=weight_decay).build()
+    self.tx = (optimizer or OptimizerConfig("adamw", lr, weight_decay=weight_decay)).build()
     self.opt_state = self.tx.init(self.params)
     self.batch, self.seq_len = batch, seq_len
     self.steps_done = 0

@@ -2,8 +2,9 @@
 
 ``GNN(cfg, num_nodes, rngs=...)`` stacks ``jaxsys.nn.quantized`` layers; with ``cfg.quant`` set
 every layer quantizes its input features (per node or NNS) and its weights (per channel).
-``train_gnn`` trains with Adam (separate learning rates for weights, A2Q steps and A2Q bits),
-adds A2Q's memory penalty, and keeps the parameters of the best validation epoch. Its result
+``train_gnn`` trains the weights with ``GNNTrainConfig.optimizer_config()`` (AdamW by default)
+and the A2Q step sizes and bit widths with Adam at their own learning rates, adds A2Q's memory
+penalty, and keeps the parameters of the best validation epoch. Its result
 has the keys of ``graph_transformer.train_graph_transformer`` (``val_acc``, ``test_acc``,
 ``best_step``, ``losses``) plus ``avg_bits``, ``model`` and ``history``.
 
@@ -26,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
 from jaxsys.models.graph.node_classification import run_node_training
@@ -192,13 +193,19 @@ class NodeData:
 
 @dataclasses.dataclass(frozen=True)
 class GNNTrainConfig:
+  """``train_gnn``'s settings. ``optimizer`` (a ``jaxsys.core.optim.OptimizerConfig``) is the
+  weights' optimizer; None: AdamW at ``lr`` with ``weight_decay``, and given, those two stay at
+  their defaults."""
   epochs: int = 200
   lr: float = 0.01
   weight_decay: float = 5e-4
+  # The A2Q quantizer groups' own Adam step sizes (step sizes and bit widths), not the weights'
+  # optimizer: ``optimizer`` leaves them as they are.
   lr_step: float = 0.005
   lr_bits: float = 0.05
   degree_bits: tuple | None = None      # MEGA prior per feature quantizer (regulariser)
   degree_weight: float = 0.0
+  optimizer: OptimizerConfig | None = None
 
   def __post_init__(self):
     if self.epochs <= 0:
@@ -206,6 +213,11 @@ class GNNTrainConfig:
     for name in ("lr", "lr_step", "lr_bits"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+    check_nested(self, "lr", "weight_decay")
+
+  def optimizer_config(self) -> OptimizerConfig:
+    """The weights' optimizer: ``optimizer``, or AdamW at ``lr`` with ``weight_decay``."""
+    return self.optimizer or OptimizerConfig("adamw", self.lr, weight_decay=self.weight_decay)
 
 
 def _label(path, _):
@@ -234,7 +246,7 @@ def train_gnn(model: GNN, data: NodeData, cfg: GNNTrainConfig, seed: int = 0) ->
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   labels = jax.tree_util.tree_map_with_path(_label, params)
   tx = optax.multi_transform({
-      "weights": OptimizerConfig("adamw", cfg.lr, weight_decay=cfg.weight_decay).build(),
+      "weights": cfg.optimizer_config().build(),
       "step": OptimizerConfig("adam", cfg.lr_step).build(), "bits": OptimizerConfig("adam", cfg.lr_bits).build()},
       labels)
   train_mask = data.train_mask

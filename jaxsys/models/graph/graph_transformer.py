@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
@@ -317,7 +317,8 @@ def add_virtual_node(ds: NodeDataset) -> NodeDataset:
 
 def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, steps: int = 200,
                             lr: float = 5e-3, weight_decay: float = 5e-4, l2: float = 0.0,
-                            dense_schedule=None, eval_every: int = 5, progress: bool = True) -> dict:
+                            optimizer: OptimizerConfig | None = None, dense_schedule=None,
+                            eval_every: int = 5, progress: bool = True) -> dict:
   """Full-batch training with AdamW of a ``GraphTransformer`` (or the ``GCN`` baseline).
 
   Returns the keys of ``gnn.train_gnn``: ``val_acc`` (best validation accuracy over the
@@ -326,6 +327,8 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
 
   ``l2`` adds ``l2 * w`` to every gradient (coupled L2 as in the GCN/GAT reference code; AdamW's
   decoupled ``weight_decay`` is scaled by ``lr`` and is far weaker at the same value).
+  ``optimizer`` (a ``jaxsys.core.optim.OptimizerConfig``) replaces the AdamW those three describe;
+  given, ``lr``, ``weight_decay`` and ``l2`` stay at their defaults (ConfigError otherwise).
   ``dense_schedule(step) -> bool`` picks dense steps (dual-interleaved attention). The run is
   the one node-classification loop (``jaxsys.models.graph.node_classification``): every step and
   every ``eval_every``-th evaluation in one compiled ``lax.scan``. ``step_ms`` is the run's mean
@@ -334,9 +337,11 @@ def train_graph_transformer(model, x, inputs: GraphInputs, ds: NodeDataset, *, s
   """
 
   from jaxsys.train import make_train_step
+  check_nested(dict(optimizer=optimizer, lr=lr, weight_decay=weight_decay, l2=l2), "lr", "weight_decay", "l2",
+               defaults=train_graph_transformer)
   labels = jnp.asarray(ds.labels)
   masks = {k: jnp.asarray(getattr(ds, f"{k}_mask")) for k in ("train", "val", "test")}
-  tx = OptimizerConfig("adamw", lr, weight_decay=weight_decay, l2=l2).build()
+  tx = (optimizer or OptimizerConfig("adamw", lr, weight_decay=weight_decay, l2=l2)).build()
   model.train()
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   dense = np.array([bool(dense_schedule(i)) if dense_schedule else False for i in range(steps)])

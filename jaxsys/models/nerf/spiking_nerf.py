@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsys.core.optim import OptimizerConfig
+from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, InputError, check_one_of, check_positive, check_range
 from jaxsys.nerf import packing as P
 from jaxsys.nerf.grids import (Box, VoxelGrid, density_shift, density_to_alpha, lattice_points,
@@ -257,11 +257,23 @@ def lattice_alpha(model, resolution: int = 32):
 
 # ----------------------------------------------------------------------------- training, rendering
 
-def make_optimizer(steps: int, *, lr_grid: float = 0.1, lr_mlp: float = 1e-3,
-                   decay: float = 0.1):
+def make_optimizer(steps: int, *, lr_grid: float = 0.1, lr_mlp: float = 1e-3, decay: float = 0.1,
+                   grid_optimizer: OptimizerConfig | None = None, mlp_optimizer: OptimizerConfig | None = None):
   """DVGO's optimizer: Adam, ``lr_grid`` for voxel grids and ``lr_mlp`` for the colour MLP,
-  each decayed exponentially to ``decay`` x over ``steps``."""
+  each decayed exponentially to ``decay`` x over ``steps``.
+
+  ``grid_optimizer`` / ``mlp_optimizer`` (``jaxsys.core.optim.OptimizerConfig``) replace one
+  group's Adam; given, that group's ``lr_grid`` / ``lr_mlp`` stays at its default, and so does
+  ``decay`` when both are given (ConfigError otherwise).
+  """
   import optax
+
+  args = dict(lr_grid=lr_grid, lr_mlp=lr_mlp, decay=decay, grid_optimizer=grid_optimizer,
+              mlp_optimizer=mlp_optimizer)
+  # decay is shared: it still shapes the group whose optimizer is not given.
+  both = ("decay",) if grid_optimizer is not None and mlp_optimizer is not None else ()
+  check_nested(args, "lr_grid", *both, field="grid_optimizer", defaults=make_optimizer)
+  check_nested(args, "lr_mlp", field="mlp_optimizer", defaults=make_optimizer)
 
   def labels(params):
     return jax.tree_util.tree_map_with_path(
@@ -270,11 +282,13 @@ def make_optimizer(steps: int, *, lr_grid: float = 0.1, lr_mlp: float = 1e-3,
 
   def adam(lr, eps=1e-8):
     return OptimizerConfig("adam", lr, "exponential", decay_steps=max(steps, 1), min_lr_ratio=decay, b2=0.99,
-                           eps=eps).build()
+                           eps=eps)
 
   # betas (0.9, 0.99) as DVGO; a tiny eps for the grids: at alpha_init = 1e-6 the density
   # gradients are ~1e-9 and Adam's default eps (1e-8) would stall the first steps.
-  return optax.multi_transform({"grid": adam(lr_grid, eps=1e-15), "mlp": adam(lr_mlp)}, labels)
+  grid = grid_optimizer or adam(lr_grid, eps=1e-15)
+  mlp = mlp_optimizer or adam(lr_mlp)
+  return optax.multi_transform({"grid": grid.build(), "mlp": mlp.build()}, labels)
 
 
 def _loss(model, rays_o, rays_d, target, mode, max_len, max_rays):
@@ -293,18 +307,21 @@ def _packs(model) -> bool:
 
 
 def fit(model, views, *, steps: int, batch_rays: int = 1024, mode: str = "tcp", seed: int = 0,
-        lr_grid: float = 0.1, lr_mlp: float = 1e-3, log_every: int = 0) -> list[float]:
+        lr_grid: float = 0.1, lr_mlp: float = 1e-3, grid_optimizer: OptimizerConfig | None = None,
+        mlp_optimizer: OptimizerConfig | None = None, log_every: int = 0) -> list[float]:
   """Trains ``model`` (``SpikingNeRF`` or ``CoarseGrids``) on random ray batches of ``views``
   with MSE (photometric loss); returns the loss per step. Each step's bucket comes from a
   jitted masking pass (``sample_mask``) then ``packing.plan``; the jitted step is compiled
-  once per bucket (``jaxsys.train.make_train_step``)."""
+  once per bucket (``jaxsys.train.make_train_step``). The optimizer is :func:`make_optimizer`'s
+  (``grid_optimizer`` / ``mlp_optimizer``: a group's ``OptimizerConfig`` instead of its Adam)."""
   from jaxsys.train import make_train_step
   check_one_of("mode", mode, MODES)
   if steps < 1 or batch_rays < 1:
     raise InputError(f"steps={steps} and batch_rays={batch_rays} must be >= 1")
   rays_o, rays_d, target = _flat(views)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx = make_optimizer(steps, lr_grid=lr_grid, lr_mlp=lr_mlp)
+  tx = make_optimizer(steps, lr_grid=lr_grid, lr_mlp=lr_mlp, grid_optimizer=grid_optimizer,
+                      mlp_optimizer=mlp_optimizer)
   opt_state = tx.init(params)
   step = make_train_step(_loss, tx, graphdef=graphdef, static_argnums=(3, 4, 5))
   mask_fn = jax.jit(lambda p, r, o, d: sample_mask(nnx.merge(graphdef, p, r), o, d))
