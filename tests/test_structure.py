@@ -267,6 +267,29 @@ def test_one_sampling_filter():
   assert owners == ["_filter"], owners
 
 
+def _impl_choices(tree: ast.AST) -> list[int]:
+  """Lines comparing a variable named ``impl`` (or ``*_impl``) with a string: choosing an
+  implementation, which is the dispatcher's job (``jaxsys.core.dispatch``)."""
+  def named_impl(x):
+    name = x.id if isinstance(x, ast.Name) else (x.attr if isinstance(x, ast.Attribute) else "")
+    return name == "impl" or name.endswith("_impl")
+  return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+          and any(named_impl(x) for x in [n.left, *n.comparators])
+          and any(isinstance(x, ast.Constant) and isinstance(x.value, str) for x in [n.left, *n.comparators])]
+
+
+def test_dispatch_is_decided_in_the_dispatcher():
+  """Above the ops layer no caller picks an implementation (``impl == "auto"`` and the like): it
+  passes ``impl`` on, and a kernel that cannot run a case refuses it inside the dispatcher."""
+  assert _impl_choices(ast.parse('x = "xla" if impl == "auto" and s else impl\n')) == [1]
+  found = []
+  for rel, tree in _sources("jaxsys"):
+    if rel.startswith(("jaxsys/ops/", "jaxsys/core/dispatch.py")):
+      continue
+    found += [f"{rel}:{ln}" for ln in _impl_choices(tree)]
+  assert not found, "an implementation chosen outside the dispatcher:\n" + "\n".join(found)
+
+
 def _calls(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
   out = []
   for n in ast.walk(tree):

@@ -128,7 +128,7 @@ def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st:
     idx = ps.physical_pages(block_table, num)
   (k, ks), (v, vs) = st.pool("k", layer), st.pool("v", layer)
   out = paged_decode_attention(q, k, v, idx, num, lengths, k_scales=ks, v_scales=vs,
-                               impl=_op_impl(impl, ks))
+                               impl=impl)
   return out, numbers
 
 
@@ -142,11 +142,7 @@ def streaming_attention(c: PagedCacheConfig, st: PagedState, layer, q, stream_ta
   (k, ks), (v, vs) = st.pool("sk", layer), st.pool("sv", layer)
   return paged_decode_attention(q, k, v, idx, num, lengths,
                                 sink=c.sink, window=c.window, k_scales=ks, v_scales=vs,
-                                impl=_op_impl(impl, ks))
-
-
-def _op_impl(impl, scales):
-  return "xla" if (impl == "auto" and scales is not None) else impl
+                                impl=impl)
 
 
 def decode_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st: PagedState,
