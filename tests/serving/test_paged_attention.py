@@ -119,3 +119,20 @@ def test_default_num_splits_pads_least():
     s = default_num_splits(k)
     s0 = -(-k // 8)
     assert s0 <= s <= 2 * s0 and s * -(-k // s) - k <= s0 * -(-k // s0) - k
+
+
+def test_int8_pages_fall_back_inside_the_dispatcher(monkeypatch):
+  """Where "auto" tries the Pallas kernel first (a GPU), int8 pages are refused by the kernel and
+  served by "xla" through the dispatcher: callers (LServe's layers) pass ``impl`` on untouched."""
+  from jaxsys.ops import paged_attention as pa
+  q, k, v, kp, vp, bt, lengths = _paged(np.random.default_rng(3))
+  kq, ks = quantize_int8(jnp.asarray(kp))
+  vq, vs = quantize_int8(jnp.asarray(vp))
+  idx, num = page_select.all_pages(jnp.asarray(bt), jnp.asarray(lengths), kp.shape[1], page_size=kp.shape[2])
+  args = (q, kq, vq, idx, num, jnp.asarray(lengths))
+  want = paged_decode_attention(*args, k_scales=ks, v_scales=vs, impl="xla")
+  monkeypatch.setattr(pa.PAGED_DECODE, "_auto", lambda: ("pallas", "xla"))
+  with pytest.raises(NotImplementedError):
+    paged_decode_attention(*args, k_scales=ks, v_scales=vs, impl="pallas")
+  got = paged_decode_attention(*args, k_scales=ks, v_scales=vs, impl="auto")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
