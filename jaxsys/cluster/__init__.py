@@ -2,6 +2,13 @@
 SJF / SRTF / LAS / QSSF, duration estimators, Cluster Energy Saving, fault-tolerant training
 (supervise + diagnose), decoupled evaluation scheduling and semantic job insight.
 
+This package is the JAX-free simulator layer: it sits beside the JAX layer stack (ops, nn,
+models, ...), imports no JAX, Flax or optax (numpy, the standard library and
+``jaxsys.core.errors``; matplotlib for its plots), and runs where no accelerator stack is
+installed. The one exception is ``demo_job``, the small training job the
+fault-tolerance supervisor launches as a child process (``tests/cluster/test_jax_free.py`` checks
+both).
+
 Usage::
 
   from jaxsys import cluster
