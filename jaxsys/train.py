@@ -72,13 +72,13 @@ import optax
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_one_of
-from jaxsys.core.step import apply_optax, make_train_step  # noqa: F401  (re-exported: the loop's building blocks)
+from jaxsys.core.step import StepsRun, apply_optax, make_train_step, run_steps  # noqa: F401  (re-exported: the loop family)
 from jaxsys.core.mesh import RULE_SETS, entry_axes, logical_sharding, logical_to_spec, on_auto_axes
 from jaxsys.core.optim import OptimizerConfig
 
 __all__ = [
     "apply_optax", "causal_lm_loss", "init_health", "init_optimizer", "lower_step", "make_loop_step", "make_optimizer", "place_batch", "place_params",
-    "make_train_step", "MATH_FIELDS", "NonFiniteError", "ON_NONFINITE", "optimizer_config", "place_states", "train",
+    "make_train_step", "MATH_FIELDS", "run_steps", "StepsRun", "NonFiniteError", "ON_NONFINITE", "optimizer_config", "place_states", "train",
     "TrainConfig",
     "TrainResult",
 ]

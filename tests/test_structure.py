@@ -290,6 +290,29 @@ def test_dispatch_is_decided_in_the_dispatcher():
   assert not found, "an implementation chosen outside the dispatcher:\n" + "\n".join(found)
 
 
+def _python_training_loops(tree: ast.AST) -> list[int]:
+  """Lines inside a ``for`` / ``while`` loop that assign an optimizer state from a step call
+  (``params, opt_state, ... = step(...)``): a hand-written training loop."""
+  found = []
+  for loop in ast.walk(tree):
+    if isinstance(loop, (ast.For, ast.While)):
+      found += [n.lineno for n in ast.walk(loop) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                and any(isinstance(t, ast.Tuple) and any(isinstance(e, ast.Name) and e.id in ("opt", "opt_state")
+                                                         for e in t.elts) for t in n.targets)]
+  return sorted(set(found))
+
+
+def test_one_training_loop_family():
+  """Training loops are the family's: ``jaxsys.train.train`` (language models),
+  ``core.step.run_steps`` (every other recipe) and the node-classification ``lax.scan``; no other
+  module steps an optimizer in a Python loop."""
+  assert _python_training_loops(ast.parse("for i in range(3):\n  p, opt, loss = step(p, opt)\n")) == [2]
+  owners = ("jaxsys/train.py", "jaxsys/core/step.py")
+  found = [f"{rel}:{ln}" for rel, tree in _sources("jaxsys") if rel not in owners
+           for ln in _python_training_loops(tree)]
+  assert not found, "a training loop outside the family:\n" + "\n".join(found)
+
+
 def _calls(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
   out = []
   for n in ast.walk(tree):

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.core.step import make_train_step
+from jaxsys.core.step import make_train_step, run_steps
 
 __all__ = [
     "bitops", "cyclic_shuffle", "grouped_conv3x3", "load_digits_split", "lsq_quantize", "PalQuantConfig",
@@ -218,13 +218,21 @@ def train_digits(cfg: PalQuantConfig, *, seed: int = 0, epochs: int = 30, batch:
     return jnp.argmax(nnx.merge(graphdef, p, rest)(xb), -1)
 
   rng = np.random.default_rng(seed)
-  for _ in range(epochs):
-    perm = rng.permutation(len(xtr))
-    for i in range(len(xtr) // batch):
-      idx = perm[i * batch:(i + 1) * batch]
-      params, opt, loss, _, _ = step(params, opt, rest, jnp.asarray(xtr[idx]), jnp.asarray(ytr[idx]))
-  acc = float(np.mean(np.asarray(predict(params, jnp.asarray(xte))) == yte))
-  return {"test_acc": acc, "final_loss": float(loss), "bitops": bitops(cfg)}
+  per_epoch = len(xtr) // batch
+  perm = None
+
+  def draw(s, params, rest):  # s = 1 ..: a new permutation at each epoch's first step
+    nonlocal perm
+    i = (s - 1) % per_epoch
+    if i == 0:
+      perm = rng.permutation(len(xtr))
+    idx = perm[i * batch:(i + 1) * batch]
+    return jnp.asarray(xtr[idx]), jnp.asarray(ytr[idx])
+
+  run = run_steps(step, params, opt, rest, draw, steps=epochs * per_epoch, carry_rest=False,
+                  record=lambda s: s == epochs * per_epoch)
+  acc = float(np.mean(np.asarray(predict(run.params, jnp.asarray(xte))) == yte))
+  return {"test_acc": acc, "final_loss": run.loss, "bitops": bitops(cfg)}
 
 
 def bitops(cfg: PalQuantConfig, hw: int = 8) -> float:

@@ -23,7 +23,7 @@ from jaxsys.models import DecoderConfig
 from jaxsys.models.llm.decoder import Decoder
 from jaxsys.rl import tasks as tasks_lib
 from jaxsys.core.optim import warmup_cosine
-from jaxsys.train import make_train_step
+from jaxsys.train import make_train_step, run_steps
 
 __all__ = ["cached_policy", "policy_config", "pretrain_policy"]
 
@@ -53,11 +53,13 @@ def pretrain_policy(config: DecoderConfig | None = None, *, steps: int = 300, ba
 
   step = make_train_step(loss_fn, tx, graphdef=gdef)
   rng = np.random.default_rng(seed)
-  loss = np.nan
-  for _ in range(steps):
+
+  def draw(s, params, rest):
     tokens, mask = tasks_lib.sft_batch(sampler.sample(batch, rng), seq_len)
-    params, opt, loss, _, _ = step(params, opt, rest, jnp.asarray(tokens), jnp.asarray(mask))
-  return nnx.merge(gdef, params, rest), float(loss)
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+  run = run_steps(step, params, opt, rest, draw, steps=steps, carry_rest=False, record=lambda s: s == steps)
+  return nnx.merge(gdef, run.params, rest), run.loss
 
 
 def cached_policy(path: str, *, steps: int = 300, config: DecoderConfig | None = None, seed: int = 0):

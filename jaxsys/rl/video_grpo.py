@@ -482,7 +482,7 @@ def pretrain_video_policy(model, tasks: vt.VideoTaskSampler, *, steps: int = 200
   VLM learns to read glyphs in a sudden transition (accuracy 0.03 -> 0.99 within a few hundred
   steps, at a step that moves with the seed), so a warm-up meant to leave RL some headroom stops
   at an accuracy rather than at a step count."""
-  from jaxsys.train import make_train_step
+  from jaxsys.train import make_train_step, run_steps
   for name, value in (("steps", steps), ("batch", batch), ("check_every", check_every)):
     check_range(name, value, lo=1)
   lay = RowLayout(tasks.n_frames, model.cfg.tokens_per_frame, tasks.max_response)
@@ -496,13 +496,15 @@ def pretrain_video_policy(model, tasks: vt.VideoTaskSampler, *, steps: int = 200
 
   step = make_train_step(loss_fn, tx, graphdef=gdef)
   rng = np.random.default_rng(seed)
-  loss = np.nan
-  for i in range(1, steps + 1):
+
+  def draw(s, params, rest):
     exs = tasks.sample(batch, rng)
     inputs, slots, mask = build_rows(lay, exs, [ex.target for ex in exs])
     frames = np.stack([ex.frames for ex in exs])
-    params, opt, loss, _, _ = step(params, opt, rest, jnp.asarray(frames), jnp.asarray(inputs),
-                                   jnp.asarray(slots), jnp.asarray(mask))
-    if until is not None and i % check_every == 0 and until(nnx.merge(gdef, params, rest)):
-      break
+    return jnp.asarray(frames), jnp.asarray(inputs), jnp.asarray(slots), jnp.asarray(mask)
+
+  run = run_steps(step, params, opt, rest, draw, steps=steps, carry_rest=False,
+                  every=check_every if until is not None else 0, at_end=False,
+                  on_every=None if until is None else lambda s, p, r: until(nnx.merge(gdef, p, r)))
+  params, loss = run.params, run.loss
   return nnx.merge(gdef, params, rest), float(loss)

@@ -156,7 +156,7 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
   [0, 1] after each step, initialised at 1 = full attention). ``progress``: a tqdm bar on
   stderr with the distillation loss.
   """
-  from tqdm.auto import tqdm
+  from jaxsys.core.step import run_steps
   tokens, answer = _answer_data(data)
   if not answer.any():
     raise ShapeError("answer_mask selects no token to distill on")
@@ -169,15 +169,18 @@ def identify_streaming_heads(model, data, *, sink: int = 64, window: int = 256,
   opt = _adam(float(lr))  # one object per lr: the jitted step takes it as a static argument
   opt_state = opt.init(alpha)
   rng = np.random.default_rng(seed)
-  history = []
-  bar = tqdm(range(steps), desc="streaming gates", disable=not progress, leave=False, dynamic_ncols=True)
-  for step in bar:
+
+  def draw(s, alpha, rest):
     idx = rng.choice(len(tokens), size=min(batch_size, len(tokens)), replace=False)
-    tok, ans = jnp.asarray(tokens[idx], jnp.int32), jnp.asarray(answer[idx])
-    alpha, opt_state, loss = _gate_step(graphdef, params, alpha, opt_state, tok, ans, opt,
-                                        sink, window, l1, impl)
-    history.append(float(loss))
-    bar.set_postfix(loss=f"{history[-1]:.4g}", refresh=False)
+    return jnp.asarray(tokens[idx], jnp.int32), jnp.asarray(answer[idx])
+
+  def step(alpha, opt_state, rest, tok, ans):  # the model is frozen: only the gates train
+    alpha, opt_state, loss = _gate_step(graphdef, params, alpha, opt_state, tok, ans, opt, sink, window, l1, impl)
+    return alpha, opt_state, loss, None, rest
+
+  run = run_steps(step, alpha, opt_state, None, draw, steps=steps, sync=True, progress=progress,
+                  desc="streaming gates")
+  alpha, history = run.params, [h["loss"] for h in run.history]
   return StreamingGates.from_alpha(np.asarray(alpha), sink=sink, window=window,
                                    sparsity=sparsity, history=history)
 

@@ -314,7 +314,7 @@ def fit(model, views, *, steps: int, batch_rays: int = 1024, mode: str = "tcp", 
   jitted masking pass (``sample_mask``) then ``packing.plan``; the jitted step is compiled
   once per bucket (``jaxsys.train.make_train_step``). The optimizer is :func:`make_optimizer`'s
   (``grid_optimizer`` / ``mlp_optimizer``: a group's ``OptimizerConfig`` instead of its Adam)."""
-  from jaxsys.train import make_train_step
+  from jaxsys.train import make_train_step, run_steps
   check_one_of("mode", mode, MODES)
   if steps < 1 or batch_rays < 1:
     raise InputError(f"steps={steps} and batch_rays={batch_rays} must be >= 1")
@@ -326,17 +326,19 @@ def fit(model, views, *, steps: int, batch_rays: int = 1024, mode: str = "tcp", 
   step = make_train_step(_loss, tx, graphdef=graphdef, static_argnums=(3, 4, 5))
   mask_fn = jax.jit(lambda p, r, o, d: sample_mask(nnx.merge(graphdef, p, r), o, d))
   rng = np.random.default_rng(seed)
-  losses = []
-  for i in range(steps):
+
+  def batch(s, params, rest):  # random rays, packed by a plan of the current occupancy mask
     idx = rng.integers(0, rays_o.shape[0], batch_rays)
     o, d, t = rays_o[idx], rays_d[idx], target[idx]
     max_len = max_rays = None
     if _packs(model) and mode != "dense":
       max_len, max_rays = P.plan(np.asarray(mask_fn(params, rest, o, d)), mode)
-    params, opt_state, loss, _, rest = step(params, opt_state, rest, o, d, t, mode, max_len,
-                                            max_rays)
-    if log_every and (i % log_every == 0 or i == steps - 1):
-      losses.append(float(loss))
+    return o, d, t, mode, max_len, max_rays
+
+  run = run_steps(step, params, opt_state, rest, batch, steps=steps,
+                  record=lambda s: bool(log_every) and ((s - 1) % log_every == 0 or s == steps))
+  params, rest = run.params, run.rest
+  losses = [h["loss"] for h in run.history]
   nnx.update(model, params, rest)
   return losses
 

@@ -315,7 +315,7 @@ def train_detector(model: DATE, data, *, steps: int, batch_size: int, learning_r
   (and after the last), ``on_eval(step, params, rest)`` is called. Returns
   ``(params, rest, graphdef, history)``, history = one ``{"step", "loss", parts...}`` per step.
   """
-  from jaxsys.train import TrainConfig, make_optimizer
+  from jaxsys.train import TrainConfig, make_optimizer, run_steps
   if batch_size > len(data):
     raise ConfigError(f"batch_size={batch_size} must be <= the data set size {len(data)}")
   tx = make_optimizer(TrainConfig(learning_rate=learning_rate, warmup_steps=warmup_steps,
@@ -338,19 +338,22 @@ def train_detector(model: DATE, data, *, steps: int, batch_size: int, learning_r
     params, opt_state, rest = jax.device_put((params, opt_state, rest), rep)
     put = (lambda x: jax.device_put(x, split))
   rng = np.random.default_rng(seed)
-  order, pos, history = rng.permutation(len(data)), 0, []
-  for s in range(1, steps + 1):
-    if pos + batch_size > len(order):
-      order, pos = rng.permutation(len(data)), 0
-    idx = np.sort(order[pos:pos + batch_size])
-    pos += batch_size
-    batch = [put(x[idx]) for x in (data.images, data.boxes, data.labels, data.valid)]
-    params, opt_state, loss, parts, rest = step(params, opt_state, rest, *batch)
-    # one step in flight at a time: a long queue of steps that each wait on a host callback
-    # (the Hungarian matching) can stall the CPU runtime's thread pool
-    loss.block_until_ready()
-    history.append({"step": s, "loss": loss, **parts})
-    if on_eval is not None and eval_every and (s % eval_every == 0 or s == steps):
-      on_eval(s, params, rest)
-  history = [{k: float(v) for k, v in h.items()} for h in jax.device_get(history)]
+  epoch = {"order": rng.permutation(len(data)), "pos": 0}
+
+  def batch(s, params, rest):  # without replacement within an epoch, a new permutation after it
+    if epoch["pos"] + batch_size > len(epoch["order"]):
+      epoch.update(order=rng.permutation(len(data)), pos=0)
+    idx = np.sort(epoch["order"][epoch["pos"]:epoch["pos"] + batch_size])
+    epoch["pos"] += batch_size
+    return tuple(put(x[idx]) for x in (data.images, data.boxes, data.labels, data.valid))
+
+  # sync: one step in flight at a time, as a long queue of steps that each wait on a host
+  # callback (the Hungarian matching) can stall the CPU runtime's thread pool
+  def evaluate(s, params, rest):  # never stops the run
+    on_eval(s, params, rest)
+
+  evals = on_eval is not None and bool(eval_every)
+  run = run_steps(step, params, opt_state, rest, batch, steps=steps, sync=True,
+                  every=eval_every if evals else 0, on_every=evaluate if evals else None)
+  params, rest, history = run.params, run.rest, run.history
   return params, rest, graphdef, history
