@@ -5,7 +5,8 @@ and :func:`run_steps`, the Python loop that drives such a step over a batch sour
 The training loop family: ``jaxsys.train.train`` (language models: checkpoints, resume,
 non-finite handling, metrics log), ``models.graph.node_classification.run_node_training``
 (full-batch graphs: the whole run is one compiled ``lax.scan``) and :func:`run_steps` (every
-other recipe: SpikingNeRF, DATE, PalQuant, the policy and video-policy warm-ups).
+other recipe: SpikingNeRF, DATE, PalQuant, the policy and video-policy warm-ups, the
+DuoAttention gate trainer).
 
 They sit in ``core`` so that every layer may use them: ``parallel``'s graph-partitioned step and
 ``quant``'s PalQuant training sit below ``train`` (the generic loop over them, ``jaxsys.train``,
