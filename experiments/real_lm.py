@@ -22,10 +22,12 @@ threads as this process has cores. Parts (``--parts``):
   their greedy agreement with f32 (full mode). The f32 reference is the model as loaded (quick: the
   packed f32, the same weights fused).
 
-Quick mode (about 80 s on 2 cores) runs ``decode``, ``prefill`` and ``passkey`` for the packed f32
-model only: batch 1 and batch 8, once each after compiling. The bf16 / int8 weights, the
-``precision`` part and the model as loaded (the pack_for_decode comparison) are the full mode's
-(``--parts precision`` runs it in quick mode too).
+Quick mode (about 50 s on 2 cores) runs ``prefill`` and ``passkey`` for the packed f32 model only.
+Its decode rows are ``experiments.decode_speed``'s (batch 1 and 8 against transformers eager, with
+the goals); ``--quick --parts decode`` adds this part's (batch 1 and batch 8, once each after
+compiling, and llama.cpp where installed). The bf16 / int8 weights, the ``precision`` part and the
+model as loaded (the pack_for_decode comparison) are the full mode's (``--parts precision`` runs
+it in quick mode too).
 
 Systems run interleaved (one call each per round, best of the rounds). Without
 ``llama_cpp`` the rows compare against transformers eager only and say so. ``--seed S`` draws
@@ -50,7 +52,9 @@ from jaxsys.data.synthetic import passkey_prompts
 NAME = "real_lm"
 MODEL = "smollm2-135m-instruct"
 PARTS = ("decode", "prefill", "passkey", "precision")
-QUICK_PARTS = ("decode", "prefill", "passkey")
+# quick leaves out ``decode``: without llama.cpp its rows (batch 1 and 8 vs transformers eager)
+# repeat decode_speed's, which carry the goals; ~60 s of the quick run. ``--parts decode`` runs it.
+QUICK_PARTS = ("prefill", "passkey")
 LLAMA_FORMATS = {"f32": "F32", "bf16": "F16", "int8": "Q4_1"}  # jaxsys weights -> llama.cpp peer
 _NO_LLAMA = "llama.cpp not measured: pip install 'jaxsys[bench]' (llama-cpp-python)"
 
@@ -379,9 +383,10 @@ def run(quick: bool, out_dir: str, parts=None, seed: int = 0) -> list[Row]:
   for name, fmt in formats:
     models[name] = pack_for_decode(base, fmt)
   load_start = os.getloadavg()[0]
-  bw = read_bandwidth()
+  # the bandwidth bound is the decode part's alone (a 1 GiB read, several seconds)
+  bw = read_bandwidth() if "decode" in selected else {}
   ctx = {"generate": gen, "models": models, "tokenizer": tokenizer, "gguf": model_path(MODEL),
-         "bandwidth": bw["xla"], "details": {},
+         "bandwidth": bw.get("xla"), "details": {},
          "bytes": {k: _param_bytes(models[k]) for k, _ in formats}, "llamas": {}}
   llama_note = _NO_LLAMA
   if _have_llama() and {"decode", "prefill"} & set(selected):

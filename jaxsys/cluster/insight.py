@@ -73,12 +73,22 @@ class InsightEstimator:
     self.rows, self.logs = [], []
     self.matrix, self.matrix_logs = None, None
     self.pending = 0
+    self._memo = {}  # text -> its embedded row: a job is embedded at submit and again at finish
 
   def _embed(self, texts: list[str]):
     if self.embedder is not None:
       e = np.asarray(self.embedder(texts), dtype=np.float64)
       return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
     return self.vectorizer.transform(texts)  # rows are L2-normalised
+
+  def _embed_one(self, job: Job):
+    """``job``'s row (1 x features), memoised by text: traces repeat names, users and resources,
+    and scikit-learn's per-call overhead (~2 ms) dominated the simulator's QSSF replays."""
+    text = job_text(job)
+    row = self._memo.get(text)
+    if row is None:
+      row = self._memo[text] = self._embed([text])
+    return row
 
   def fit(self, jobs: Sequence[Job]) -> "InsightEstimator":
     jobs = [j for j in jobs if j.start is not None]
@@ -90,6 +100,7 @@ class InsightEstimator:
       self.vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), sublinear_tf=True,
                                         min_df=1)
       self.vectorizer.fit(texts)
+    self._memo = {}
     self.rows = [self._embed(texts)]
     self.logs = [math.log1p(j.duration) for j in jobs]
     self._rebuild()
@@ -107,9 +118,11 @@ class InsightEstimator:
     """(similarities, log durations) of the k most similar stored jobs above ``min_sim``."""
     if self.matrix is None:
       raise ConfigError("InsightEstimator used before fit")
-    q = self._embed([job_text(job)])
-    sims = self.matrix @ q.T
-    sims = np.asarray(sims.todense() if hasattr(sims, "todense") else sims).ravel()
+    q = self._embed_one(job)
+    # a dense query vector: sparse x dense is one pass over the stored rows (csr_matvec), where
+    # sparse x sparse also sized and built a sparse result per query
+    q = np.asarray(q.toarray() if hasattr(q, "toarray") else q).ravel()
+    sims = np.asarray(self.matrix @ q).ravel()  # [stored jobs] cosine similarities
     top = np.argsort(-sims)[:self.k]
     top = top[sims[top] >= self.min_sim]
     return sims[top], self.matrix_logs[top]
@@ -122,7 +135,7 @@ class InsightEstimator:
 
   def update(self, job: Job):
     """Adds a finished job (visible to predictions after every ``refresh`` updates)."""
-    self.rows.append(self._embed([job_text(job)]))
+    self.rows.append(self._embed_one(job))
     self.logs.append(math.log1p(job.duration))
     self.pending += 1
     if self.pending >= self.refresh:
