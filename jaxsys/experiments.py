@@ -48,12 +48,13 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "scaling": ("experiments.scaling", "decoder LM on a pod", "FSDP/TP loss curves vs 1 device, memory and collectives per device, LoRA state"),
 }
 
-#: Wall seconds of each ``--quick`` run on 2 idle CPU cores (the fresh-clone run of
-#: experiments/README.md); only the progress line's estimate of the time left uses them.
+#: Wall seconds of each ``--quick`` run on 2 idle CPU cores (the latest cold run of
+#: experiments/README.md); only the progress line's estimate of the time left uses them (scaled by
+#: how fast the finished experiments ran against these).
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 51, "decode_speed": 19, "real_lm": 96, "tiny_lm": 43, "mmsp": 48, "vniah": 58,
-    "mrsp": 126, "lserve": 89, "serving": 110, "tlt": 102, "torchgt": 138, "gnn_quant": 74, "cluster": 46,
-    "spiking_nerf": 53, "date": 108, "scaling": 60,
+    "attention": 71, "decode_speed": 25, "real_lm": 68, "tiny_lm": 52, "mmsp": 63, "vniah": 78,
+    "mrsp": 191, "lserve": 104, "serving": 155, "tlt": 129, "torchgt": 184, "gnn_quant": 96, "cluster": 25,
+    "spiking_nerf": 72, "date": 156, "scaling": 82,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
