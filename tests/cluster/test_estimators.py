@@ -87,3 +87,45 @@ def test_insight_semantic_retrieval_and_qssf():
   res_qssf = simulate(test, ClusterSpec((2,)), "qssf", estimator=InsightEstimator(k=5).fit(train))
   assert res_qssf.jct.mean() < res_fifo.jct.mean()
   assert res_qssf.predictions is not None and np.all(res_qssf.predictions > 0)
+
+
+def _insight_jobs(n=60):
+  rng = np.random.default_rng(1)
+  jobs = []
+  for i in range(n):
+    kind = ["resnet50_cifar_finetune", "llama7b_pretrain_stage1"][i % 2]
+    dur = {0: 600, 1: 40000}[i % 2] * float(rng.uniform(0.8, 1.25))
+    jobs.append(Job(f"j{i}", f"user{i % 3}", "vc", kind, 1, 4, 1, i * 50.0, i * 50.0,
+                    i * 50.0 + dur, dur, "completed", "gpu"))
+  return jobs[:40], jobs[40:]
+
+
+def test_insight_scores_are_cosines_of_the_stored_rows():
+  # the dense query against the sparse store gives the sparse x sparse product's similarities
+  train, test = _insight_jobs()
+  est = InsightEstimator(k=40, min_sim=-1.0).fit(train)
+  sims, _ = est.neighbours(test[0])
+  full = np.asarray((est.matrix @ est._embed([job_text(test[0])]).T).todense()).ravel()
+  np.testing.assert_allclose(np.sort(sims)[::-1], np.sort(full)[::-1][:len(sims)], rtol=1e-12)
+
+
+def test_insight_with_an_embedder_embeds_each_text_once():
+  calls = []
+
+  def embed(texts):  # a bag of hashed tokens: deterministic, dense, 32 dims
+    calls.append(len(texts))
+    out = np.zeros((len(texts), 32))
+    for r, t in enumerate(texts):
+      for tok in t.split():
+        out[r, sum(map(ord, tok)) % 32] += 1.0
+    return out
+
+  train, test = _insight_jobs()
+  est = InsightEstimator(k=5, refresh=5, embedder=embed).fit(train)
+  assert calls == [len(train)]
+  for j in test:  # submit, then finish: one text per job kind and user, embedded once
+    assert est.predict(j) > 0
+    est.update(j)
+  assert sum(calls[1:]) == len({job_text(j) for j in test})
+  long_jobs = [j for j in test if j.name.startswith("llama")]
+  assert all(est.predict(j) > 10_000 for j in long_jobs)  # retrieves its own kind
