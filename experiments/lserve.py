@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments._cli import reseed, with_compute_dtype
-from jaxsys.core.bench import time_interleaved
+from jaxsys.core.bench import normal_input, time_interleaved
 from jaxsys.core.results import Row, run_dir, write_result
 from jaxsys.serving import lserve
 from jaxsys.serving.page_select import SelectionConfig
@@ -57,17 +57,15 @@ def _cache_config(ctx: int, streaming_fraction: float = 0.5) -> PagedCacheConfig
                           max_requests=1, sink=SINK, window=WINDOW, streaming=flags)
 
 
-def _random_state(c: PagedCacheConfig, ctx: int, rng):
+def _random_state(c: PagedCacheConfig, ctx: int, seed: int):
   """A filled single-request cache (random keys) without running the write path at 64K+."""
   r, s = len(c.retrieval_heads(0)), len(c.streaming_heads(0))
   shape = (c.num_pages, r, PAGE, HEAD_DIM)
-  k = jax.random.normal(rng, shape, jnp.float32)
-  v = jax.random.normal(jax.random.fold_in(rng, 1), shape, jnp.float32)
+  k, v = normal_input(seed, shape), normal_input(seed + 1, shape)
   blk = k.reshape(c.num_pages, r, PAGE // LOGICAL, LOGICAL, HEAD_DIM)
   sshape = (c.num_stream_pages, s, PAGE, HEAD_DIM)
   return PagedState(k=(k,), v=(v,), kmin=(blk.min(3),), kmax=(blk.max(3),),
-                    sk=(jax.random.normal(jax.random.fold_in(rng, 2), sshape),),
-                    sv=(jax.random.normal(jax.random.fold_in(rng, 3), sshape),))
+                    sk=(normal_input(seed + 2, sshape),), sv=(normal_input(seed + 3, sshape),))
 
 
 def _dense_decode(q, k, v):
@@ -155,12 +153,12 @@ def bench_decode(contexts, iters, seed: int = 0, goal: float = 0.5) -> tuple[lis
   paged = jax.jit(lambda q, k, v, i, n: paged_decode_attention(q, k, v, i, i, n, impl="xla"))
   for ctx in contexts:
     c = _cache_config(ctx)
-    key = jax.random.PRNGKey(reseed(ctx, seed))
-    q = jax.random.normal(key, (1, HEADS, HEAD_DIM), jnp.float32)
-    kd = jax.random.normal(jax.random.fold_in(key, 7), (1, KV_HEADS, ctx, HEAD_DIM), jnp.float32)
-    vd = jax.random.normal(jax.random.fold_in(key, 8), (1, KV_HEADS, ctx, HEAD_DIM), jnp.float32)
+    key = reseed(ctx, seed)
+    q = normal_input(key, (1, HEADS, HEAD_DIM))
+    kd = normal_input(key + 7, (1, KV_HEADS, ctx, HEAD_DIM))
+    vd = normal_input(key + 8, (1, KV_HEADS, ctx, HEAD_DIM))
     dense = jax.jit(_dense_decode)
-    st = _random_state(c, ctx, key)
+    st = _random_state(c, ctx, key + 10)
     bt = jnp.arange(c.num_pages, dtype=jnp.int32)[None]
     stt = jnp.arange(c.stream_pages_per_request, dtype=jnp.int32)[None]
     lengths = jnp.asarray([ctx], jnp.int32)
@@ -234,10 +232,10 @@ def prefill_rows(quick: bool, seed: int = 0) -> list[Row]:
                         streaming=(tuple(h >= kv // 2 for h in range(kv)),))
   rows = []
   for t in lengths:
-    key = jax.random.PRNGKey(reseed(t, seed))
-    q = jax.random.normal(key, (1, t, heads, HEAD_DIM), jnp.float32)
-    k = jax.random.normal(jax.random.fold_in(key, 1), (1, t, kv, HEAD_DIM), jnp.float32)
-    v = jax.random.normal(jax.random.fold_in(key, 2), (1, t, kv, HEAD_DIM), jnp.float32)
+    key = reseed(t, seed)
+    q = normal_input(key, (1, t, heads, HEAD_DIM))
+    k = normal_input(key + 1, (1, t, kv, HEAD_DIM))
+    v = normal_input(key + 2, (1, t, kv, HEAD_DIM))
     dense = jax.jit(lambda q, k, v: attention(q, k, v, mask=masks.Causal(), impl="xla"))
     # the engine's prefill path: one attention call with the per-head mask (split per head group)
     ours = jax.jit(lambda q, k, v: hybrid_attention(cc, 0, q, k, v, q_offset=0, kv_lengths=None,

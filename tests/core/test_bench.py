@@ -1,5 +1,5 @@
 """core.bench: time_interleaved (warm-up first, round-robin order, one Timing per label),
-compile counting and the read-bandwidth probe."""
+compile counting, host-drawn benchmark inputs and the read-bandwidth probe."""
 
 import jax.numpy as jnp
 import pytest
@@ -62,6 +62,20 @@ def test_compile_count_sees_new_shapes_only():
   f(jnp.ones(5))  # a new shape retraces and recompiles
   assert compile_count() > n1 and TRACE_COUNTS["test_bench.f"] == t0 + 2
   assert TRACE_COUNTS[BACKEND_COMPILES] == compile_count()
+
+
+def test_normal_input_is_seeded_and_compiles_nothing():
+  import numpy as np
+
+  from jaxsys.core.bench import compile_count, normal_input
+
+  n0 = compile_count()
+  a, b, c = normal_input(7, (3, 64, 5)), normal_input(7, (3, 64, 5)), normal_input(8, (3, 64, 5))
+  assert compile_count() == n0  # a jax.random draw would compile a program for this shape
+  assert a.shape == (3, 64, 5) and a.dtype == jnp.float32
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c) and abs(float(a.mean())) < 0.2 and 0.8 < float(a.std()) < 1.2
+  assert normal_input(7, (4,), "bfloat16").dtype == jnp.bfloat16
 
 
 def test_read_bandwidth_reports_both_probes():
