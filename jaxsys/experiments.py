@@ -52,9 +52,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: experiments/README.md); only the progress line's estimate of the time left uses them (scaled by
 #: how fast the finished experiments ran against these).
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 71, "decode_speed": 25, "real_lm": 68, "tiny_lm": 52, "mmsp": 63, "vniah": 78,
-    "mrsp": 191, "lserve": 104, "serving": 155, "tlt": 129, "torchgt": 184, "gnn_quant": 96, "cluster": 25,
-    "spiking_nerf": 72, "date": 156, "scaling": 82,
+    "attention": 59, "decode_speed": 23, "real_lm": 49, "tiny_lm": 47, "mmsp": 51, "vniah": 70, "mrsp": 192,
+    "lserve": 114, "serving": 162, "tlt": 138, "torchgt": 168, "gnn_quant": 120, "cluster": 32,
+    "spiking_nerf": 88, "date": 138, "scaling": 73,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
