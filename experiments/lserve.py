@@ -153,12 +153,12 @@ def bench_decode(contexts, iters, seed: int = 0, goal: float = 0.5) -> tuple[lis
   paged = jax.jit(lambda q, k, v, i, n: paged_decode_attention(q, k, v, i, i, n, impl="xla"))
   for ctx in contexts:
     c = _cache_config(ctx)
-    key = reseed(ctx, seed)
-    q = normal_input(key, (1, HEADS, HEAD_DIM))
-    kd = normal_input(key + 7, (1, KV_HEADS, ctx, HEAD_DIM))
-    vd = normal_input(key + 8, (1, KV_HEADS, ctx, HEAD_DIM))
+    base = reseed(ctx, seed)  # inputs' seeds: base, +7, +8, and +10..13 for the paged cache
+    q = normal_input(base, (1, HEADS, HEAD_DIM))
+    kd = normal_input(base + 7, (1, KV_HEADS, ctx, HEAD_DIM))
+    vd = normal_input(base + 8, (1, KV_HEADS, ctx, HEAD_DIM))
     dense = jax.jit(_dense_decode)
-    st = _random_state(c, ctx, key + 10)
+    st = _random_state(c, ctx, base + 10)
     bt = jnp.arange(c.num_pages, dtype=jnp.int32)[None]
     stt = jnp.arange(c.stream_pages_per_request, dtype=jnp.int32)[None]
     lengths = jnp.asarray([ctx], jnp.int32)
@@ -232,10 +232,10 @@ def prefill_rows(quick: bool, seed: int = 0) -> list[Row]:
                         streaming=(tuple(h >= kv // 2 for h in range(kv)),))
   rows = []
   for t in lengths:
-    key = reseed(t, seed)
-    q = normal_input(key, (1, t, heads, HEAD_DIM))
-    k = normal_input(key + 1, (1, t, kv, HEAD_DIM))
-    v = normal_input(key + 2, (1, t, kv, HEAD_DIM))
+    base = reseed(t, seed)
+    q = normal_input(base, (1, t, heads, HEAD_DIM))
+    k = normal_input(base + 1, (1, t, kv, HEAD_DIM))
+    v = normal_input(base + 2, (1, t, kv, HEAD_DIM))
     dense = jax.jit(lambda q, k, v: attention(q, k, v, mask=masks.Causal(), impl="xla"))
     # the engine's prefill path: one attention call with the per-head mask (split per head group)
     ours = jax.jit(lambda q, k, v: hybrid_attention(cc, 0, q, k, v, q_offset=0, kv_lengths=None,
