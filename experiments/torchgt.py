@@ -45,9 +45,10 @@ THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off wher
 
 def _settings(quick: bool, seed: int = 0) -> dict:
   if quick:
-    # (a): GT dual + GCN on 2 seeds, 120 steps: GT dual - GCN read +0.40 / +0.45 / +0.55 points over
-    # seeds 0-2 (200 steps, seed 0: the same +0.4, both models' validation-selected steps falling
-    # before 120); the dense GT (~1 s/step on 2 CPU cores) is a short run.
+    # (a): GT dual + GCN on 2 seeds, 120 steps: GT dual - GCN read +0.55 / +1.35 / +0.20 points over
+    # seeds 0-2 with the hash dropout masks (+0.40 / +0.45 / +0.55 with threefry's; 200 steps, seed
+    # 0: the same +0.4, both models' validation-selected steps falling before 120); the dense GT
+    # (~0.5 s/step on 2 CPU cores) is a short run.
     # (d) on 1 and 8 devices and the sweep's dense end (32-node communities; 128 is the scaling
     # part's own 10K graph, already timed there): every point is a compile
     # the 100K training step (no goal) is the full mode's: 13 s of the quick run

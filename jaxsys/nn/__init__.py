@@ -8,7 +8,7 @@ graph convolutions ``[nodes, features]``), ``dtype`` / ``param_dtype``, and carr
 Layers: :class:`Attention` (GQA + RoPE), :class:`RMSNorm`, :class:`Embed`, :class:`SwiGLU`,
 :class:`GraphAttention`, :class:`GCNConv`, :class:`DegreeEncoding`, :class:`QuantLinear`,
 :class:`QuantGCNConv`, :class:`QuantGINConv`, :class:`QuantGATConv`, :class:`LIF`,
-:class:`SpikingLinear`.
+:class:`SpikingLinear`, :class:`HashDropout` (``nnx.Dropout`` with a counter-hash mask: cheap on CPU).
 
 LoRA on any of them (and on a user's own layer that reads its weight with ``w[...]``):
 :func:`apply_lora` with a :class:`LoRAConfig` wraps projections in :class:`LoRAWeight` s whose
@@ -28,6 +28,7 @@ _EXPORTS = {
     "GraphInputs": "graph", "graph_inputs": "graph",
     "QuantLinear": "quantized", "QuantGCNConv": "quantized", "QuantGINConv": "quantized",
     "QuantGATConv": "quantized", "A2QConfig": "quantized",
+    "HashDropout": "dropout",
     "LIF": "spiking", "LIFConfig": "spiking", "SpikingLinear": "spiking", "spike_count": "spiking",
     "apply_lora": "lora", "LoRAConfig": "lora", "LoRAParam": "lora", "LoRAWeight": "lora",
     "merge_lora": "lora", "lora_state": "lora", "load_lora_state": "lora",

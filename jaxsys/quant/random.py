@@ -14,6 +14,8 @@ Usage::
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError
@@ -30,13 +32,14 @@ def fmix32(h):
 
 
 def keep_mask(shape, seed, rate: float, row_ids=None):
-  """Bool ``[rows, F]`` keep mask (probability ``1 - rate``) keyed by (seed, global row, col)."""
-  rows, f = shape
+  """Bool keep mask of ``shape = [rows, ...]`` (probability ``1 - rate``) keyed by (seed, global row,
+  flat index within the row); ``[rows, F]`` masks are the module docstring's."""
+  rows, f = shape[0], math.prod(shape[1:])
   r = jnp.arange(rows, dtype=jnp.uint32) if row_ids is None else row_ids.astype(jnp.uint32)
   idx = r[:, None] * jnp.uint32(f) + jnp.arange(f, dtype=jnp.uint32)[None, :]
   s = fmix32(jnp.asarray(seed).astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
   h = fmix32(idx * jnp.uint32(0x9E3779B1) + s)
-  return h >= jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
+  return (h >= jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))).reshape(shape)
 
 
 def hash_dropout(x, seed, rate: float, row_ids=None):

@@ -10,7 +10,9 @@ interleaved on a schedule -- every ``dense_every_layers``-th layer, and/or every
 ``dense_every_steps``-th training step (the step decides ``dense_step``; two executables).
 ``attention="dense"`` gives the dense-attention GT, ``"sparse"`` the pure topology GT.
 
-Regularisation / encodings (all off by default):
+Regularisation / encodings (all off by default; every dropout is ``jaxsys.nn.HashDropout``, whose
+counter-hash mask costs a few integer ops per element where XLA:CPU's threefry Bernoulli over
+Cora's input features cost more than the rest of a GCN step):
 
 * ``attn_dropout``: dropout on the topology-attention coefficients (GAT's recipe; training only,
   ``topology="sparse"`` only -- the tiled paths never materialise per-edge coefficients).
@@ -52,6 +54,7 @@ from jaxsys.core.errors import ConfigError
 from jaxsys.graphs.dataset import NodeDataset
 from jaxsys.graphs.node_loss import masked_accuracy, masked_node_cross_entropy
 from jaxsys.models.graph.node_classification import run_node_training
+from jaxsys.nn.dropout import HashDropout
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
 from jaxsys.ops.graph_attn import segment_softmax
 
@@ -130,7 +133,7 @@ class GraphTransformerConfig:
     return self.attention == "dual" and self.dense_every_steps > 0 and step % self.dense_every_steps == 0
 
 
-def _sparse_attention_dropout(q, k, v, inputs: GraphInputs, drop: nnx.Dropout):
+def _sparse_attention_dropout(q, k, v, inputs: GraphInputs, drop: HashDropout):
   """Topology attention with dropout on the per-edge softmax coefficients (GAT)."""
   n, scale = q.shape[0], 1.0 / np.sqrt(q.shape[-1])
   s, r = inputs.senders, inputs.receivers
@@ -143,12 +146,12 @@ class EncoderLayer(nnx.Module):
     d = cfg.hidden
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.attn = GraphAttention(d, cfg.num_heads, impl=cfg.impl, rngs=rngs)
-    self.attn_drop = nnx.Dropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
+    self.attn_drop = HashDropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
     if cfg.ffn:
       self.norm2 = nnx.LayerNorm(d, rngs=rngs)
       self.ff1 = nnx.Linear(d, cfg.ffn_mult * d, rngs=rngs)
       self.ff2 = nnx.Linear(cfg.ffn_mult * d, d, rngs=rngs)
-    self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+    self.drop = HashDropout(cfg.dropout, rngs=rngs)
     self.residual = cfg.attn_residual
     self.ffn = cfg.ffn
     self.gate = nnx.Param(jnp.zeros(())) if cfg.dense_gate else None
@@ -182,7 +185,7 @@ class _GATLayer(nnx.Module):
     self.heads, self.head_dim, self.last, self.impl = heads, head_dim, last, cfg.impl
     self.proj = nnx.Linear(in_dim, heads * head_dim, rngs=rngs)  # GAT's W; values are W h
     self.qk = nnx.Linear(heads * head_dim, 2 * heads * head_dim, rngs=rngs)  # small: inner -> q, k
-    self.attn_drop = nnx.Dropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
+    self.attn_drop = HashDropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
     self.gate = nnx.Param(jnp.zeros(())) if cfg.dense_gate else None
 
   def _attend(self, q, k, v, inputs: GraphInputs, mode: str):
@@ -209,13 +212,13 @@ class GraphTransformer(nnx.Module):
 
   def __init__(self, cfg: GraphTransformerConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.in_drop = nnx.Dropout(cfg.input_dropout, rngs=rngs)
+    self.in_drop = HashDropout(cfg.input_dropout, rngs=rngs)
     if not cfg.embed:  # GAT: dropout(input) -> layer -> ... -> dropout -> output layer
       hd, dims = cfg.hidden // cfg.num_heads, [cfg.num_features] + [cfg.hidden] * (cfg.num_layers - 1)
       self.layers = nnx.List([
           _GATLayer(d, cfg.num_heads, hd, cfg, last=False, rngs=rngs) for d in dims[:-1]]
           + [_GATLayer(dims[-1], cfg.out_heads, cfg.out_dim, cfg, last=True, rngs=rngs)])
-      self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+      self.drop = HashDropout(cfg.dropout, rngs=rngs)
       return
     self.embed = nnx.Linear(cfg.num_features - cfg.lap_pe, cfg.hidden, rngs=rngs)
     if cfg.lap_pe:
@@ -262,7 +265,7 @@ class GCN(nnx.Module):
                rngs: nnx.Rngs):
     self.conv1 = GCNConv(num_features, hidden, rngs=rngs)
     self.conv2 = GCNConv(hidden, out_dim, rngs=rngs)
-    self.drop = nnx.Dropout(dropout, rngs=rngs)
+    self.drop = HashDropout(dropout, rngs=rngs)
 
   def __call__(self, x, inputs: GraphInputs, **_):
     h = jax.nn.relu(self.conv1(self.drop(x), inputs))
