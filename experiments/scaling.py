@@ -86,10 +86,12 @@ def _losses(make_model, batches, steps, mesh=None, rules="fsdp", lora=None):
 def _step_costs(make_model, batch, n: int):
   """``(argument bytes per device, collective bytes per device, trained parameter bytes)``."""
   from jaxsys import train as T
+  from jaxsys.core.bench import compile_for_analysis
   from jaxsys.parallel.costs import hlo_collective_bytes
   model = make_model()
   mesh = _mesh({"data": n}, "auto") if n > 1 else None
-  compiled = T.lower_step(model, batch, T.TrainConfig(rules="fsdp"), mesh=mesh).compile()
+  # read, never run (the trained runs use other schedules): the analysis compile's plan and HLO
+  compiled = compile_for_analysis(T.lower_step(model, batch, T.TrainConfig(rules="fsdp"), mesh=mesh))
   comm = sum(hlo_collective_bytes(compiled.as_text()).values()) if n > 1 else 0.0
   return compiled.memory_analysis().argument_size_in_bytes, comm, _trained_bytes(model)
 

@@ -385,7 +385,7 @@ def memory_scaling(s: dict, seed: int) -> tuple[list[Row], dict]:
         return graph_parallel_loss(nnx.merge(graphdef, params, rest), plan, mesh, labels, mask,
                                    arrays=arrays)
 
-      mem = compiled_memory(jax.jit(jax.value_and_grad(loss)), params, labels, mask, arrays)
+      mem = compiled_memory(jax.jit(jax.value_and_grad(loss)), params, labels, mask, arrays, unrun=True)
       pts.append((n, mem["peak_bytes"] if mem else float("nan")))
     (n0, b0), (n1, b1) = pts
     slope = (b1 - b0) / (n1 - n0)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import jax
 
 __all__ = [
-    "BACKEND_COMPILES", "bandwidth_probe", "block", "compile_count", "compiled_memory", "count_trace", "cpu_cores",
+    "ANALYSIS_OPTIONS", "BACKEND_COMPILES", "bandwidth_probe", "block", "compile_count", "compile_for_analysis",
+    "compiled_memory", "count_trace", "cpu_cores",
     "hardware_string",
     "matmul_peak_gflops", "normal_input", "read_bandwidth", "time_fn", "time_interleaved", "Timing", "TRACE_COUNTS", "watch_compiles",
 ]
@@ -71,15 +72,33 @@ def normal_input(seed: int, shape: tuple[int, ...], dtype="float32") -> jax.Arra
   return jax.numpy.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
 
 
-def compiled_memory(fn: Callable, *args, **kwargs) -> dict[str, int] | None:
+#: XLA options for a program compiled to be read (its memory plan, its collectives), never run: the
+#: backend's LLVM optimisation level 0. Fusion, buffer assignment and SPMD partitioning are HLO
+#: passes that run before LLVM, so the plan and the optimised HLO are the ones a default compile
+#: gives (tests/core/test_bench.py checks both); on XLA:CPU LLVM's optimisation is most of the
+#: compile time. CPU only: other backends keep their defaults.
+ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def compile_for_analysis(lowered):
+  """``lowered.compile()`` for reading its ``memory_analysis()`` / ``as_text()``, never for running:
+  with :data:`ANALYSIS_OPTIONS` on CPU. A program that is also run should be compiled once the
+  default way instead (the run reuses it, or the persistent cache's copy of it)."""
+  return lowered.compile(compiler_options=ANALYSIS_OPTIONS if jax.default_backend() == "cpu" else None)
+
+
+def compiled_memory(fn: Callable, *args, unrun: bool = False, **kwargs) -> dict[str, int] | None:
   """Bytes XLA plans for a jitted ``fn``: arguments, outputs, temporaries and their sum.
 
   This is the compiler's plan (exact for what it allocates), available on every backend that
-  reports ``memory_analysis``; returns None where the backend does not.
+  reports ``memory_analysis``; returns None where the backend does not. ``unrun=True``: ``fn`` at
+  these shapes is never run, so it compiles through :func:`compile_for_analysis` (the same plan,
+  a cheaper compile on CPU); leave it False when the program also runs, so that one compile serves both.
   """
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   try:
-    analysis = jitted.lower(*args, **kwargs).compile().memory_analysis()
+    lowered = jitted.lower(*args, **kwargs)
+    analysis = (compile_for_analysis(lowered) if unrun else lowered.compile()).memory_analysis()
   except Exception:  # pragma: no cover - backend without memory analysis
     return None
   if analysis is None:

@@ -454,7 +454,8 @@ class VideoGRPOTrainer:
 
   def update_memory(self, n_frames: int, rows: int) -> dict | None:
     """The compiler's per-device memory plan of one update micro-batch of ``rows`` rows at
-    ``n_frames`` frames (``jaxsys.core.bench.compiled_memory``; nothing is allocated)."""
+    ``n_frames`` frames (``jaxsys.core.bench.compiled_memory``; nothing is allocated or run, so the
+    compile is ``compile_for_analysis``'s)."""
     from jaxsys.core.bench import compiled_memory
     lay = self.layout(n_frames)
     cfg = self.vlm_cfg
@@ -470,7 +471,7 @@ class VideoGRPOTrainer:
     mat = sds((rows, lay.response))
     with self._ctx():
       return compiled_memory(_update_jit, self._update.args[0], self.params, self.rest, self.opt_state, src, lay.prompt,
-                             sds((rows,), jnp.int32), batch, vec, mat, mat)
+                             sds((rows,), jnp.int32), batch, vec, mat, mat, unrun=True)
 
 
 def pretrain_video_policy(model, tasks: vt.VideoTaskSampler, *, steps: int = 200, batch: int = 16,

@@ -92,3 +92,32 @@ def test_read_bandwidth_reports_both_probes():
     read_bandwidth(0)
   with pytest.raises(ConfigError, match="iters"):
     read_bandwidth(1 / 256, iters=0)
+
+
+def test_analysis_compile_gives_the_default_plan_and_collectives():
+  """compile_for_analysis (LLVM level 0 on CPU) reads the same memory plan and the same collectives
+  as a default compile: both are decided by HLO passes before LLVM."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from jaxsys.core.bench import ANALYSIS_OPTIONS, compile_for_analysis, compiled_memory
+  from jaxsys.parallel.costs import hlo_collective_bytes
+  n = min(len(jax.devices()), 4)
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  sh = NamedSharding(mesh, P("data"))
+
+  def loss(w, x):  # a data-parallel gradient: an all-reduce over "data"
+    return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+  w = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((8 * n, 64), jnp.float32, sharding=sh)
+  lowered = jax.jit(loss).lower(w, x)
+  fast, full = compile_for_analysis(lowered), lowered.compile()
+  a, b = fast.memory_analysis(), full.memory_analysis()
+  for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+    assert getattr(a, field) == getattr(b, field)
+  assert hlo_collective_bytes(fast.as_text()) == hlo_collective_bytes(full.as_text())
+  if n > 1:
+    assert sum(hlo_collective_bytes(full.as_text()).values()) > 0
+  assert compiled_memory(loss, w, x, unrun=True) == compiled_memory(loss, w, x)
+  assert ANALYSIS_OPTIONS == {"xla_backend_optimization_level": 0}
