@@ -2,7 +2,7 @@
 
 :class:`HashDropout` is ``nnx.Dropout`` (same ``rate``, ``broadcast_dims``, ``deterministic``
 switch through ``model.train()`` / ``model.eval()``, and the same ``rngs`` stream: one key per call)
-with the keep mask of :func:`jaxsys.quant.random.keep_mask`: the call's key becomes one uint32 seed
+through :func:`jaxsys.quant.random.hash_dropout`: the call's key becomes one uint32 seed
 and element ``(row, j)`` is kept when ``fmix32(index * golden + mix(seed)) >= rate * 2^32``.
 
 Why: XLA:CPU generates threefry bits at ~13-20 ns per element once a mask outgrows the cache
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsys.quant.random import keep_mask
+from jaxsys.quant.random import hash_dropout
 
 __all__ = ["HashDropout"]
 
@@ -44,8 +44,7 @@ class HashDropout(nnx.Dropout):
     seed = jax.random.bits(self._key(rngs), (), jnp.uint32)
     dims = {d % inputs.ndim for d in self.broadcast_dims}
     shape = tuple(1 if d in dims else n for d, n in enumerate(inputs.shape))
-    keep = keep_mask(shape if shape else (1,), seed, self.rate).reshape(shape)
-    return jnp.where(keep, inputs / (1.0 - self.rate), jnp.zeros((), inputs.dtype))
+    return hash_dropout(inputs, seed, self.rate, mask_shape=shape)
 
   def _key(self, rngs):
     rngs = self.rngs if rngs is None else rngs

@@ -34,7 +34,7 @@ def fmix32(h):
 def keep_mask(shape, seed, rate: float, row_ids=None):
   """Bool keep mask of ``shape = [rows, ...]`` (probability ``1 - rate``) keyed by (seed, global row,
   flat index within the row); ``[rows, F]`` masks are the module docstring's."""
-  rows, f = shape[0], math.prod(shape[1:])
+  rows, f = (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)  # a scalar: one draw
   r = jnp.arange(rows, dtype=jnp.uint32) if row_ids is None else row_ids.astype(jnp.uint32)
   idx = r[:, None] * jnp.uint32(f) + jnp.arange(f, dtype=jnp.uint32)[None, :]
   s = fmix32(jnp.asarray(seed).astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
@@ -42,13 +42,14 @@ def keep_mask(shape, seed, rate: float, row_ids=None):
   return (h >= jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))).reshape(shape)
 
 
-def hash_dropout(x, seed, rate: float, row_ids=None):
-  """Inverted dropout of ``x [rows, F]`` with a hash mask; identity for ``rate == 0``."""
+def hash_dropout(x, seed, rate: float, row_ids=None, mask_shape=None):
+  """Inverted dropout of ``x [rows, ...]`` with a hash mask; identity for ``rate == 0``.
+  ``mask_shape``: the mask's shape when it broadcasts against ``x`` (default ``x.shape``)."""
   if not 0.0 <= rate < 1.0:
     raise ConfigError(f"{rate=} must lie in [0, 1)")
   if rate == 0.0:
     return x
-  keep = keep_mask(x.shape, seed, rate, row_ids)
+  keep = keep_mask(x.shape if mask_shape is None else mask_shape, seed, rate, row_ids)
   return jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
