@@ -7,8 +7,8 @@ Measured side by side in one process (b=1, 4 heads, head_dim 64, f32, non-causal
      ``dot_product_attention(..., implementation="xla_chunked")`` (optional; non-causal and
      causal), forward and forward+backward, with achieved GFLOP/s beside the f32 matmul peak
      measured in this run;
-  3. block-sparse layouts of 64 / 128 / 256-token blocks at 25 / 10 % density, forward and
-     forward+backward: time of our dense over our sparse, beside the ideal ratio 1/density (the
+  3. block-sparse layouts of 64 / 128 / 256-token blocks (quick: 64, the LServe page and TorchGT
+     tile) at 25 / 10 % density, forward and forward+backward: time of our dense over our sparse, beside the ideal ratio 1/density (the
      XLA backend's tiles follow the layout's granularity, ``XlaBlockSizes.for_mask``); the dense
      call is timed beside every layout and each row takes its best over all of them;
   4. an LServe-shaped prefill (half the heads Sink(64) | Local(256), half causal) vs all causal,
@@ -35,6 +35,9 @@ from jaxsys.ops import attention, masks
 
 NAME = "attention"
 HEADS, HEAD_DIM = 4, 64
+#: Block sizes of part 3. Quick keeps the systems' 64-token granularity: the 128 and 256 rows
+#: cost ~20 s of a quick run (8 of its 12 timed pairs) and read no worse than 64's.
+SPARSE_BLOCKS = {"quick": (64,), "full": (64, 128, 256)}
 #: Block-sparse rows: sparse speedup over our dense as a fraction of the ideal 1/density,
 #: ``{mode: {backward: goal}}``. Against the pooled dense baseline (below) three quick seeds read
 #: 0.33-0.52 of the ideal forward and 0.41-0.62 forward+backward (experiments/README.md, "The quick
@@ -184,7 +187,7 @@ def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   q, k, v = _qkv(sparse_len, qkv_seed)
   dense = {False: _fwd("xla"), True: _fwd_bwd(lambda q, k, v: attention(q, k, v, impl="xla"))}
   sparse_pts, measured, dense_times = {}, [], {False: [], True: []}
-  for blk in (64, 128, 256):
+  for blk in SPARSE_BLOCKS["quick" if quick else "full"]:
     n = sparse_len // blk
     for density in (0.25, 0.1):
       lay = _sparse_layout(n, n, density, seed=reseed(int(density * 100) + blk, seed))

@@ -71,7 +71,7 @@ def _model(quick: bool, seed: int = 0):
   return model, tok, "smollm2-135m-instruct"
 
 
-def _engines(model, tok, page: int, max_seq: int):
+def _engines(model, tok, page: int, max_seq: int, min_bucket: int):
   from jaxsys.serving import ServingConfig, ServingEngine
   from jaxsys.serving.lserve import LServeConfig
   pages = 8 * (-(-max_seq // page)) + 8
@@ -79,7 +79,8 @@ def _engines(model, tok, page: int, max_seq: int):
   ls = LServeConfig(page_size=page, logical_page_size=page // 4, token_budget=4 * page,
                     sink=page, window=2 * page)
   flags = _alternating_flags(model.config)
-  common = dict(num_pages=pages, max_seq_len=max_seq, max_num_batched_tokens=512, prefill_chunk=256)
+  common = dict(num_pages=pages, max_seq_len=max_seq, max_num_batched_tokens=512, prefill_chunk=256,
+                min_prompt_bucket=min_bucket)
   return {
       "one slot": lambda: ServingEngine(model, ServingConfig(lserve=dense, max_batch=1, **common), tokenizer=tok),
       "continuous (dense)": lambda: ServingEngine(model, ServingConfig(lserve=dense, max_batch=8, **common),
@@ -161,6 +162,10 @@ def _llama_cpp_server(model, tok, workdir: Path, port: int):
 
 
 PARTS = ("rates", "long", "soak", "structured")
+#: The smallest prefill-chunk bucket of the short-prompt engines (``ServingConfig.min_prompt_bucket``),
+#: by ``quick``: the quick model's 40-200-token prompts pad their chunk to >= 64 tokens, which
+#: leaves two buckets (six prefill executables over the three engines) uncompiled.
+MIN_BUCKET = {True: 64, False: 16}
 FACTORS = (0.5, 1.0, 2.0)  # arrival rates, as multiples of what one request at a time sustains
 
 
@@ -245,13 +250,14 @@ def _rates(quick, model, tok, model_name, config, results, out, seed: int = 0) -
   # fresh prompts for every rate (a repeated prompt would hit the prefix cache of an earlier rate)
   load = {i: _texts(tok, [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(*lens, n_req)])
           for i in range(4)}
-  # warm-up: every prefill chunk bucket (16 ... 256 tokens) and the decode step
-  warm = _texts(tok, [rng.integers(3, vocab, n).tolist() for n in (12, 30, 60, 120, lens[1] - 1)])
+  # warm-up: every prefill chunk bucket (MIN_BUCKET ... 256 tokens) and the decode step
+  warm = _texts(tok, [rng.integers(3, vocab, n).tolist() for n in (12, 30, 60, 120, lens[1] - 1)
+                      if n >= MIN_BUCKET[quick] // 2])
   config.update({"requests_per_rate": n_req, "prompt_tokens": list(lens), "max_tokens": max_tokens,
                  "page_size": page})
   servers = {}
   try:
-    for name, make in _engines(model, tok, page, max_seq).items():
+    for name, make in _engines(model, tok, page, max_seq, MIN_BUCKET[quick]).items():
       servers[name] = start_server(make(), model_name, max_pending=10_000)
       for p in warm:  # compile every prefill bucket and the decode step
         asyncio.run(_load(servers[name].url, model_name, [p, p], 100.0, max_tokens, reseed(0, seed)))
@@ -412,7 +418,7 @@ def _soak(quick, model, tok, model_name, config, seed: int = 0) -> list[Row]:
   lens = rng.integers(8, 48, cfg.requests)
   prompts = {run: _texts(tok, [rng.integers(3, model.config.vocab_size, int(n)).tolist() for n in lens])
              for run in ("warm", "clean", "abusive")}
-  engine = _engines(model, tok, 16, 256 if quick else 1024)["continuous (dense)"]()
+  engine = _engines(model, tok, 16, 256 if quick else 1024, MIN_BUCKET[quick])["continuous (dense)"]()
   free = engine.num_free_pages
   server = start_server(engine, model_name)
   try:
