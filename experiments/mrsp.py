@@ -20,7 +20,7 @@ world, other task videos, initial weights, rollouts and held-out sets (seed 0: t
 3. FSDP x SP: ``cached_sp`` on ``data=2 x ulysses=U/2`` with the LM's parameters and Adam
    moments sharded over "data" (``rules="fsdp"``) against ``ulysses=U`` replicated, on the same
    devices: trained state per device (goal <= 0.55x, ideal 0.5), the update's gradients against
-   one device (goal <= 1e-5 max abs diff) and the RL step time.
+   one device (goal <= 1e-5 max abs diff) and (full mode) the RL step time.
 4. RL: a VLM warmed up by a supervised phase that stops at ``SFT_TARGET`` validation accuracy,
    then GRPO in ``cached_sp`` mode (60 steps quick, 160 full) on the verifiable video QA tasks
    (needle, count, order); held-out reward and accuracy (G samples per video, and greedy) and
@@ -105,8 +105,7 @@ def timing(quick, rows, config, out, axes, seed, dtype="float32"):
   frames = [64, 128] if quick else [32, 64, 128, 256, 512]  # each length compiles 3 programs
   rounds = 3 if quick else 5
   # quick times the two modes of the goal rows: ``cached_sp``'s step on simulated devices that
-  # share 2 cores (no goal; ~30 s of SPMD compiles) is the full mode's, and part 3 still times it
-  # at 64 frames (the fsdp row's baseline)
+  # share 2 cores (no goal; ~30 s of SPMD compiles) is the full mode's, as is part 3's fsdp timing
   modes = MODES[:2] if quick else MODES
   config.update(time_frames=frames, time_rounds=rounds, time_modes=list(modes))
   res = {m: [] for m in modes}
@@ -227,12 +226,12 @@ def fsdp(quick, rows, config, out, axes, seed, dtype="float32"):
   rows.append(Row(metric="update gradients: cached_sp fsdp x SP vs cached on one device", unit="max abs diff",
                   baseline_name="one device", ours=err, goal="<= 1e-5 (ours)",
                   note=f"largest gradient entry {scale:.3g}; loss {float(l2):.6f} vs {float(l1):.6f}"))
-  t = time_interleaved({k: (lambda k=k: tr[k].step(ex)) for k in ("replicated", "fsdp")},
-                       rounds=3 if quick else 5)
-  rows.append(Row(metric=f"RL step time @64 frames: cached_sp fsdp (data=2 x ulysses={fx['ulysses']})",
-                  unit="s", baseline_name=f"replicated (ulysses={axes['ulysses']})",
-                  baseline=t["replicated"].min, ours=t["fsdp"].min,
-                  note="simulated devices share the CPU cores: the ratio shows overhead, not speed"))
+  if not quick:  # quick skips it: two more sets of RL-step programs (~15 s) for a row with no goal
+    t = time_interleaved({k: (lambda k=k: tr[k].step(ex)) for k in ("replicated", "fsdp")}, rounds=5)
+    rows.append(Row(metric=f"RL step time @64 frames: cached_sp fsdp (data=2 x ulysses={fx['ulysses']})",
+                    unit="s", baseline_name=f"replicated (ulysses={axes['ulysses']})",
+                    baseline=t["replicated"].min, ours=t["fsdp"].min,
+                    note="simulated devices share the CPU cores: the ratio shows overhead, not speed"))
   config.update(fsdp_mesh=fx, fsdp_state_bytes=state, fsdp_grad_max_abs_diff=err)
   print(f"[mrsp] fsdp: state {state['fsdp']} vs {state['replicated']} bytes/device, grad diff {err:.2e}",
         flush=True)
