@@ -285,12 +285,12 @@ class ServingEngine:
     self._numbers = None
     self._since_select = 0
 
-  def _decode(self, rids, tokens, reselect, ints=None, floats=None, keep_logits=False, pen=None):
+  def _decode(self, rids, tokens, reselect, ints, floats, keep_logits=False, pen=None):
     """The decode step over the slots ``rids`` (None: empty) with each one's last token
-    ``tokens int32[slots]``: ``(logits [slots, vocab], drawn)`` (device arrays); with the
-    scheduler's sampling arguments ``ints`` / ``floats`` the rows' tokens are drawn in the same
-    executable (``scheduler.draw``, with the rows' ``pen`` LogitAdjust or None; one dispatch per decode
-    step), else ``drawn`` is None."""
+    ``tokens int32[slots]``; the rows' next tokens are drawn in the same executable
+    (``scheduler.draw`` with the scheduler's sampling arguments ``ints`` / ``floats`` and the
+    rows' ``pen`` LogitAdjust or None; one dispatch per decode step): what ``draw`` returns
+    (device arrays)."""
     for rid in rids:
       if rid is not None:
         self.cache.extend(rid, 1)
@@ -301,7 +301,7 @@ class ServingEngine:
       reselect = reselect or self._numbers is None or self._since_select >= sel.reuse_steps
       self._since_select = 1 if reselect else self._since_select + 1
     numbers = self._numbers if self._numbers is not None else [None] * self.cache_config.num_layers
-    logits, drawn, self.cache.state, numbers = _decode_step(
+    drawn, self.cache.state, numbers = _decode_step(
         self._graphdef, self._params, self.cache_config, sel, self.cache.state, jnp.asarray(tokens),
         jnp.asarray(lengths), jnp.asarray(active), jnp.asarray(bt), jnp.asarray(stt),
         tuple(numbers), bool(reselect) if sel is not None else True, self.config.lserve.impl,
@@ -310,7 +310,7 @@ class ServingEngine:
     for rid in rids:
       if rid is not None:
         self.cache.seqs[rid].length += 1
-    return logits, drawn
+    return drawn
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 12, 13), donate_argnums=(4,))
@@ -321,8 +321,7 @@ def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positio
                      reselect=reselect, impl=impl)
   h, view = model.forward_hidden(tokens[:, None], positions=positions[:, None], cache=view)
   logits = model.logits(h)[:, 0]  # [slots, vocab]
-  drawn = None if ints is None else draw(logits[ints[0]], ints, floats, keep_logits, pen)
-  return logits, drawn, view.state, view.numbers
+  return draw(logits[ints[0]], ints, floats, keep_logits, pen), view.state, view.numbers
 
 
 def _prompt_seed(seed: int, index: int) -> int:

@@ -13,8 +13,9 @@ iteration-level scheduling) under a token budget ``ServingConfig.max_num_batched
    are free: a long prompt advances chunk by chunk between the others' decode steps;
 3. admission looks up the prompt's full pages in the **prefix cache** (``prefix_cache.py``) and
    prefills only the tokens after the cached prefix;
-4. one jitted decode step runs over all slots, and each sequence whose prompt is now complete
-   or that decoded samples its next token with its own parameters (``sampling.sample_rows``).
+4. one jitted decode step runs over all slots and draws each decoding sequence's next token in
+   the same executable; each sequence whose prompt is now complete draws its first token from
+   its last hidden state, each with its own parameters (``sampling.sample_rows``).
 
 Chunked prefill across steps and prefix caching read the prefix back from the pages, which
 needs every kv head to keep every token: with LServe streaming heads (whose sink + local pages
@@ -245,32 +246,25 @@ class Scheduler:
         return self._step()
       return []
     self.stats["steps"] += 1
-    slots = len(self.slots)
-    if decode and not chunks:  # a decode-only step: sampling runs inside the decode executable
-      ints, floats = self._sample_args(decode, [s.slot for s in decode], [False] * len(decode))
-      _, drawn = self._decode(decode, ints, floats, self._logit_adjust(decode))
-      return self._emit(decode, drawn)
-    rows, src, from_prefill = [], [], []
-    dec_logits = None
+    # The decoding rows draw inside the decode executable (one executable per engine, whether or
+    # not the step also prefills); prompts completed by this step's chunks draw from their last
+    # hidden state in ``_sample_step``. Every row's key depends on its own seed, choice and index
+    # alone, so splitting the draw changes no token.
+    drawn = None
     if decode:
-      dec_logits, _ = self._decode(decode)  # [slots, vocab], row = slot
-      rows += decode
-      src += [s.slot for s in decode]
-      from_prefill += [False] * len(decode)
-    hidden = None
+      ints, floats = self._sample_args(decode, [s.slot for s in decode], [False] * len(decode))
+      drawn = self._decode(decode, ints, floats, self._logit_adjust(decode))
+    done, hidden = [], None
     for s, n in chunks:
       h = self._prefill(s, n)
       self.stats["prefill_tokens"] += n
       if h is not None:  # the prompt is complete: its last hidden state gives the next token
         if hidden is None:
-          hidden = jnp.zeros((slots, h.shape[-1]), h.dtype)
-        hidden = _put_row(hidden, h, jnp.int32(len([f for f in from_prefill if f])))
-        src.append(len([f for f in from_prefill if f]))
-        from_prefill.append(True)
-        rows.append(s)
-    if not rows:
-      return []
-    return self._sample(rows, dec_logits, hidden, src, from_prefill)
+          hidden = jnp.zeros((len(self.slots), h.shape[-1]), h.dtype)
+        hidden = _put_row(hidden, h, jnp.int32(len(done)))
+        done.append(s)
+    outs = [] if drawn is None else self._emit(decode, drawn)
+    return outs + (self._sample(done, hidden) if done else [])
 
   def _chunk_len(self, s: SeqState, budget: int) -> int:
     left = len(s.tokens) - s.computed
@@ -306,9 +300,9 @@ class Scheduler:
     s.status = DECODE
     return hidden
 
-  def _decode(self, decode, ints=None, floats=None, pen=None):
-    """One decode step over the slots: ``(logits [slots, vocab] (row i = slot i), drawn)``; with
-    the sampling arguments of :meth:`_sample_args` ``drawn`` is what ``_sample_step`` returns."""
+  def _decode(self, decode, ints, floats, pen=None):
+    """One decode step over the slots, each decoding row drawing its next token with the sampling
+    arguments of :meth:`_sample_args` (row ``j`` = ``decode[j]``): what ``_sample_step`` returns."""
     e = self.engine
     rids = [None] * len(self.slots)
     tokens = np.zeros(len(self.slots), np.int32)
@@ -362,14 +356,12 @@ class Scheduler:
         allowed[i] = rows[i].constraint.allowed_bits(words)
     return LogitAdjust(pen, allowed)
 
-  def _sample(self, rows, dec_logits, hidden, src, from_prefill) -> list[StepOutput]:
-    """Samples each row's next token (rows of decode slots and of just-prefilled prompts)."""
+  def _sample(self, rows, hidden) -> list[StepOutput]:
+    """Samples the first token of each just-prefilled prompt (row ``j``: ``hidden[j]``)."""
     e = self.engine
-    ints, floats = self._sample_args(rows, src, from_prefill)
-    # The model's parameters only when a prompt's last hidden state needs its logits (flattening
-    # them costs host time on every call).
-    out = _sample_step(e._graphdef, self.keep_logits, None if hidden is None else e._params,
-                       dec_logits, hidden, ints, floats, self._logit_adjust(rows))
+    ints, floats = self._sample_args(rows, range(len(rows)), [True] * len(rows))
+    out = _sample_step(e._graphdef, self.keep_logits, e._params, hidden, ints, floats,
+                       self._logit_adjust(rows))
     return self._emit(rows, out)
 
   def _emit(self, rows, drawn) -> list[StepOutput]:
@@ -422,23 +414,15 @@ def _put_row(buf, row, i):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _sample_step(graphdef, keep_logits, params, dec_logits, hidden, ints, floats, pen):
-  """Row ``j``'s logits are ``dec_logits[src[j]]`` (a decode slot) or, where ``from_prefill[j]``,
-  the model's logits of ``hidden[src[j]]`` (a prompt's last hidden state); each row then draws
-  its next token with its own parameters and key ``fold_in(fold_in(seed, choice), index)``.
-  ``ints int32[7, slots]`` = (src, from_prefill, seed bits, choice, index, top_k, logprobs), ``floats
-  float32[3, slots]`` = (temperature, top_p, min_p). Returns the tokens and the model's
-  log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``), and with ``keep_logits`` the
-  logits ``[slots, vocab]`` as well."""
-  src, from_prefill = ints[0], ints[1].astype(bool)
-  parts = []
-  if dec_logits is not None:
-    parts.append(dec_logits[src])
-  if hidden is not None:
-    pre = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
-    parts.append(pre[src].astype(parts[0].dtype) if parts else pre[src])
-  logits = parts[0] if len(parts) == 1 else jnp.where(from_prefill[:, None], parts[1], parts[0])
-  return draw(logits, ints, floats, keep_logits, pen)
+def _sample_step(graphdef, keep_logits, params, hidden, ints, floats, pen):
+  """Row ``j`` draws its next token from the model's logits of ``hidden[src[j]]`` (a prompt's last
+  hidden state, ``hidden [slots, embed]``) with its own parameters and key
+  ``fold_in(fold_in(seed, choice), index)``. ``ints int32[7, slots]`` = (src, from_prefill, seed
+  bits, choice, index, top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p,
+  min_p). Returns the tokens and the model's log-probabilities (chosen and the top
+  ``MAX_TOP_LOGPROBS``), and with ``keep_logits`` the logits ``[slots, vocab]`` as well."""
+  logits = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
+  return draw(logits[ints[0]], ints, floats, keep_logits, pen)
 
 
 class LogitAdjust(NamedTuple):
