@@ -52,9 +52,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: experiments/README.md); only the progress line's estimate of the time left uses them (scaled by
 #: how fast the finished experiments ran against these).
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 55, "decode_speed": 23, "real_lm": 40, "tiny_lm": 44, "mmsp": 47, "vniah": 73, "mrsp": 156,
-    "lserve": 89, "serving": 132, "tlt": 108, "torchgt": 86, "gnn_quant": 87, "cluster": 23,
-    "spiking_nerf": 70, "date": 120, "scaling": 59,
+    "attention": 36, "decode_speed": 21, "real_lm": 40, "tiny_lm": 49, "mmsp": 57, "vniah": 67, "mrsp": 120,
+    "lserve": 85, "serving": 120, "tlt": 114, "torchgt": 96, "gnn_quant": 96, "cluster": 24,
+    "spiking_nerf": 70, "date": 126, "scaling": 59,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
