@@ -252,7 +252,7 @@ class Scheduler:
     # alone, so splitting the draw changes no token.
     drawn = None
     if decode:
-      ints, floats = self._sample_args(decode, [s.slot for s in decode], [False] * len(decode))
+      ints, floats = self._sample_args(decode, [s.slot for s in decode])
       drawn = self._decode(decode, ints, floats, self._logit_adjust(decode))
     done, hidden = [], None
     for s, n in chunks:
@@ -318,18 +318,18 @@ class Scheduler:
     self.stats["decode_tokens"] += len(decode)
     return out
 
-  def _sample_args(self, rows, src, from_prefill):
-    """The per-row parameters of ``_draw``, padded to ``slots`` rows (fixed shapes: one executable
-    for every mix of rows): ``ints int32[7, slots]`` = (src, from_prefill, seed, choice, index,
-    top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p, min_p) (two
-    host-to-device copies per step)."""
+  def _sample_args(self, rows, src):
+    """The per-row parameters of ``draw``, padded to ``slots`` rows (fixed shapes: one executable
+    for every mix of rows): ``ints int32[6, slots]`` = (src, seed, choice, index, top_k,
+    logprobs), ``floats float32[3, slots]`` = (temperature, top_p, min_p) (two host-to-device
+    copies per step); row ``j`` reads logits row ``src[j]``."""
     b, r = len(self.slots), len(rows)
     pad = lambda xs, dt, fill=0: np.asarray(list(xs) + [fill] * (b - r), dt)  # noqa: E731
     p = [s.params for s in rows]
     seeds = pad([s.seed for s in rows], np.uint32).view(np.int32)  # uint32 bits (cast back in the step)
-    ints = np.stack([pad(src, np.int32), pad(from_prefill, np.int32), seeds,
+    ints = np.stack([pad(src, np.int32), seeds,
                      pad([s.index for s in rows], np.int32), pad([len(s.out) for s in rows], np.int32),
-                     pad([q.top_k for q in p], np.int32), pad([q.logprobs for q in p], np.int32)])  # [7, slots]
+                     pad([q.top_k for q in p], np.int32), pad([q.logprobs for q in p], np.int32)])  # [6, slots]
     floats = np.stack([pad([q.temperature for q in p], np.float32),
                        pad([q.top_p for q in p], np.float32, 1.0),
                        pad([q.min_p for q in p], np.float32)])                 # [3, slots]
@@ -359,7 +359,7 @@ class Scheduler:
   def _sample(self, rows, hidden) -> list[StepOutput]:
     """Samples the first token of each just-prefilled prompt (row ``j``: ``hidden[j]``)."""
     e = self.engine
-    ints, floats = self._sample_args(rows, range(len(rows)), [True] * len(rows))
+    ints, floats = self._sample_args(rows, range(len(rows)))
     out = _sample_step(e._graphdef, self.keep_logits, e._params, hidden, ints, floats,
                        self._logit_adjust(rows))
     return self._emit(rows, out)
@@ -417,9 +417,8 @@ def _put_row(buf, row, i):
 def _sample_step(graphdef, keep_logits, params, hidden, ints, floats, pen):
   """Row ``j`` draws its next token from the model's logits of ``hidden[src[j]]`` (a prompt's last
   hidden state, ``hidden [slots, embed]``) with its own parameters and key
-  ``fold_in(fold_in(seed, choice), index)``. ``ints int32[7, slots]`` = (src, from_prefill, seed
-  bits, choice, index, top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p,
-  min_p). Returns the tokens and the model's log-probabilities (chosen and the top
+  ``fold_in(fold_in(seed, choice), index)``. ``ints int32[6, slots]`` = (src, seed bits, choice,
+  index, top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p, min_p). Returns the tokens and the model's log-probabilities (chosen and the top
   ``MAX_TOP_LOGPROBS``), and with ``keep_logits`` the logits ``[slots, vocab]`` as well."""
   logits = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
   return draw(logits[ints[0]], ints, floats, keep_logits, pen)
@@ -444,7 +443,7 @@ def draw(logits, ints, floats, keep_logits: bool, adjust: LogitAdjust | None = N
     logits = penalize(logits, adjust.pen)
   if adjust is not None and adjust.allowed is not None:
     logits = jnp.where(unpack_allowed(adjust.allowed, logits.shape[-1]), logits, -jnp.inf)
-  _, _, seeds, choice, index, top_k, want_logprobs = ints
+  _, seeds, choice, index, top_k, want_logprobs = ints
   temperature, top_p, min_p = floats
   seeds = seeds.astype(jnp.uint32)
 
