@@ -8,9 +8,10 @@ Measured side by side in one process (b=1, 4 heads, head_dim 64, f32, non-causal
      causal), forward and forward+backward, with achieved GFLOP/s beside the f32 matmul peak
      measured in this run;
   3. block-sparse layouts of 64 / 128 / 256-token blocks (quick: 64, the LServe page and TorchGT
-     tile) at 25 / 10 % density, forward and forward+backward: time of our dense over our sparse, beside the ideal ratio 1/density (the
-     XLA backend's tiles follow the layout's granularity, ``XlaBlockSizes.for_mask``); the dense
-     call is timed beside every layout and each row takes its best over all of them;
+     tile) at 25 / 10 % density, forward and forward+backward: time of our dense over our
+     sparse, beside the ideal ratio 1/density (the XLA backend's tiles follow the layout's
+     granularity, ``XlaBlockSizes.for_mask``); the dense call is timed beside every layout and
+     each row takes its best over all of them;
   4. an LServe-shaped prefill (half the heads Sink(64) | Local(256), half causal) vs all causal,
      beside the ideal ratio of key visits;
   5. a packed-documents mask given as a dense boolean array (``ops.attention`` turns it into a

@@ -418,8 +418,9 @@ def _sample_step(graphdef, keep_logits, params, hidden, ints, floats, pen):
   """Row ``j`` draws its next token from the model's logits of ``hidden[src[j]]`` (a prompt's last
   hidden state, ``hidden [slots, embed]``) with its own parameters and key
   ``fold_in(fold_in(seed, choice), index)``. ``ints int32[6, slots]`` = (src, seed bits, choice,
-  index, top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p, min_p). Returns the tokens and the model's log-probabilities (chosen and the top
-  ``MAX_TOP_LOGPROBS``), and with ``keep_logits`` the logits ``[slots, vocab]`` as well."""
+  index, top_k, logprobs), ``floats float32[3, slots]`` = (temperature, top_p, min_p). Returns
+  the tokens and the model's log-probabilities (chosen and the top ``MAX_TOP_LOGPROBS``), and
+  with ``keep_logits`` the logits ``[slots, vocab]`` as well."""
   logits = nnx.merge(graphdef, params).logits(hidden[:, None])[:, 0]  # [slots, vocab]
   return draw(logits[ints[0]], ints, floats, keep_logits, pen)
 
