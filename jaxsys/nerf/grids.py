@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
+from jaxsys.core import init
 
 __all__ = [
     "Box", "check_points", "density_shift", "density_to_alpha", "lattice_points", "nearest",
@@ -129,9 +130,9 @@ class VoxelGrid(nnx.Module):
     self.box, self.resolution, self.channels = box, tuple(resolution), channels
     shape = tuple(resolution) + (channels,)
     if init_std and rngs is not None:
-      value = init_std * jax.random.normal(rngs.params(), shape)
+      value = init.normal(init_std)(rngs.params(), shape)
     else:
-      value = jnp.zeros(shape)
+      value = init.zeros(None, shape)
     self.grid = nnx.Param(value)
 
   def __call__(self, points):

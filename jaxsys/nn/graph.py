@@ -23,6 +23,7 @@ from jaxsys.nn.explicit import explicit_ok
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.graphs.inputs import GraphInputs, graph_inputs  # noqa: F401  (re-exported: the layers' input)
 from jaxsys.ops.graph_attn import graph_attention
+from jaxsys.core import init
 
 __all__ = [
     "attend", "DegreeEncoding", "gcn_norm", "GCNConv", "graph_inputs", "GraphAttention", "GraphInputs",
@@ -47,7 +48,7 @@ def attend(q, k, v, inputs: GraphInputs, mode: str, *, impl: str = "auto"):
 
 def _linear(din, dout, axes, *, dtype, param_dtype, rngs):
   """``nnx.Linear`` whose kernel ``[din, dout]`` and bias ``[dout]`` carry ``logical_axes``."""
-  return nnx.Linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+  return nnx.Linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **init.dense_defaults(),
                     kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": axes[1:]})
 
 
@@ -118,7 +119,7 @@ class DegreeEncoding(nnx.Module):
   def __init__(self, max_degree: int, dim: int, *, dtype=None, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
     self.max_degree = max_degree
-    self.embed = nnx.Embed(max_degree + 1, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    self.embed = nnx.Embed(max_degree + 1, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **init.embed_defaults(),
                            embedding_metadata={"logical_axes": (None, "embed")})
 
   @explicit_ok

@@ -23,6 +23,7 @@ from flax import nnx
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logical_to_spec
 from jaxsys.nn.explicit import explicit_ok
+from jaxsys.core import init as initializers
 
 __all__ = [
     "activation_axes", "constrain", "DECODE_FORMATS", "DecodeWeight", "Embed", "FLAX_RENAMES", "param", "param_specs",
@@ -81,11 +82,9 @@ def take_rows(table, ids):
 def param(rngs: nnx.Rngs, shape, logical, *, init="normal", std=0.02, dtype=jnp.float32):
   """A ``nnx.Param`` with ``logical_axes`` metadata; ``init`` is "normal", "zeros" or "ones"."""
   if init == "normal":
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  elif init == "zeros":
-    value = jnp.zeros(shape, jnp.float32)
-  elif init == "ones":
-    value = jnp.ones(shape, jnp.float32)
+    value = initializers.normal(std)(rngs.params(), shape, jnp.float32)
+  elif init in ("zeros", "ones"):  # no key drawn
+    value = (initializers.zeros if init == "zeros" else initializers.ones)(None, shape, jnp.float32)
   else:
     raise ValueError(f"{init=} must be 'normal', 'zeros' or 'ones'")
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical))

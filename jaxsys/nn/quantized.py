@@ -31,6 +31,7 @@ from flax import nnx
 from jaxsys.nn.explicit import explicit_ok
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_min, check_range
 from jaxsys.quant import a2q
+from jaxsys.core import init
 
 __all__ = [
     "A2QConfig", "BitsParam", "FeatureQuantizer", "QuantGATConv", "QuantGCNConv", "QuantGINConv",
@@ -152,8 +153,7 @@ class QuantLinear(nnx.Module):
       raise ConfigError(f"{kernel_axes=} must name the 2 kernel axes [din, dout]")
     kernel_axes = tuple(kernel_axes)
     self.din, self.dtype = din, dtype
-    init = nnx.initializers.glorot_uniform()
-    w = init(rngs.params(), (din, dout), jnp.float32)
+    w = init.glorot_uniform()(rngs.params(), (din, dout), jnp.float32)
     self.kernel = nnx.Param(w.astype(param_dtype), logical_axes=kernel_axes)
     self.bias = (nnx.Param(jnp.zeros((dout,), param_dtype), logical_axes=kernel_axes[1:])
                  if use_bias else None)
@@ -268,9 +268,9 @@ class QuantGATConv(nnx.Module):
     self.fq = (FeatureQuantizer(num_nodes, quant, signed=signed_input, init_bits=init_bits)
                if quant is not None else None)
     self.lin = QuantLinear(din, heads * dout, quant, rngs=rngs, use_bias=False)
-    init = nnx.initializers.glorot_uniform()
-    self.att_src = nnx.Param(init(rngs.params(), (heads, dout), jnp.float32))
-    self.att_dst = nnx.Param(init(rngs.params(), (heads, dout), jnp.float32))
+    glorot = init.glorot_uniform()
+    self.att_src = nnx.Param(glorot(rngs.params(), (heads, dout), jnp.float32))
+    self.att_dst = nnx.Param(glorot(rngs.params(), (heads, dout), jnp.float32))
     self.bias = nnx.Param(jnp.zeros((heads * dout if concat else dout,), jnp.float32))
 
   def __call__(self, x, edges, dropout=None):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ShapeError, check_positive
+from jaxsys.core import init
 
 __all__ = [
     "LIF", "lif_scan", "LIFConfig", "spike", "spike_count", "SpikingLinear", "SURROGATE_ALPHA",
@@ -134,7 +135,7 @@ class SpikingLinear(nnx.Module):
 
   def __init__(self, in_features: int, out_features: int, cfg: LIFConfig = LIFConfig(), *,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype,
+    self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, **init.dense_defaults(),
                              param_dtype=param_dtype, rngs=rngs,
                              kernel_metadata={"logical_axes": ("embed", "mlp")})
     self.neuron = LIF(cfg)

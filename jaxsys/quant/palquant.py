@@ -31,6 +31,7 @@ from flax import nnx
 from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, ShapeError
 from jaxsys.core.step import make_train_step, run_steps
+from jaxsys.core import init
 
 __all__ = [
     "bitops", "cyclic_shuffle", "grouped_conv3x3", "load_digits_split", "lsq_quantize", "PalQuantConfig",
@@ -126,9 +127,8 @@ class PalQuantConv(nnx.Module):
     g, c = cfg.groups, cfg.channels
     self.cfg = cfg
     # HWIO kernel of a grouped conv: output channels [i*C, (i+1)*C) read input group i.
-    init = nnx.initializers.he_normal()
-    self.kernel = nnx.Param(init(rngs.params(), (3, 3, c, g * c), jnp.float32))
-    self.bias = nnx.Param(jnp.zeros((g * c,), jnp.float32))
+    self.kernel = nnx.Param(init.he_normal()(rngs.params(), (3, 3, c, g * c), jnp.float32))
+    self.bias = nnx.Param(init.zeros(None, (g * c,), jnp.float32))
     w = self.kernel[...]
     if cfg.w_bits:
       qp = _levels(cfg.w_bits, True)[1]
@@ -157,10 +157,9 @@ class PalQuantNet(nnx.Module):
 
   def __init__(self, cfg: PalQuantConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.stem = nnx.Param(nnx.initializers.he_normal()(rngs.params(), (3, 3, 1, cfg.channels),
-                                                        jnp.float32))
+    self.stem = nnx.Param(init.he_normal()(rngs.params(), (3, 3, 1, cfg.channels), jnp.float32))
     self.blocks = nnx.List([PalQuantConv(cfg, rngs=rngs) for _ in range(3)])
-    self.head = nnx.Linear(cfg.groups * cfg.channels, cfg.num_classes, rngs=rngs)
+    self.head = nnx.Linear(cfg.groups * cfg.channels, cfg.num_classes, rngs=rngs, **init.dense_defaults())
 
   def __call__(self, x):
     if x.ndim != 4 or x.shape[-1] != 1:

@@ -57,6 +57,7 @@ from jaxsys.models.graph.node_classification import run_node_training
 from jaxsys.nn.dropout import HashDropout
 from jaxsys.nn.graph import DegreeEncoding, GCNConv, GraphAttention, GraphInputs, attend
 from jaxsys.ops.graph_attn import segment_softmax
+from jaxsys.core import init
 
 __all__ = [
     "add_virtual_node", "ATTENTION", "EncoderLayer", "GCN", "GraphTransformer", "GraphTransformerConfig",
@@ -144,13 +145,13 @@ def _sparse_attention_dropout(q, k, v, inputs: GraphInputs, drop: HashDropout):
 class EncoderLayer(nnx.Module):
   def __init__(self, cfg: GraphTransformerConfig, *, rngs: nnx.Rngs):
     d = cfg.hidden
-    self.norm1 = nnx.LayerNorm(d, rngs=rngs)
+    self.norm1 = nnx.LayerNorm(d, rngs=rngs, **init.norm_defaults())
     self.attn = GraphAttention(d, cfg.num_heads, impl=cfg.impl, rngs=rngs)
     self.attn_drop = HashDropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
     if cfg.ffn:
-      self.norm2 = nnx.LayerNorm(d, rngs=rngs)
-      self.ff1 = nnx.Linear(d, cfg.ffn_mult * d, rngs=rngs)
-      self.ff2 = nnx.Linear(cfg.ffn_mult * d, d, rngs=rngs)
+      self.norm2 = nnx.LayerNorm(d, rngs=rngs, **init.norm_defaults())
+      self.ff1 = nnx.Linear(d, cfg.ffn_mult * d, rngs=rngs, **init.dense_defaults())
+      self.ff2 = nnx.Linear(cfg.ffn_mult * d, d, rngs=rngs, **init.dense_defaults())
     self.drop = HashDropout(cfg.dropout, rngs=rngs)
     self.residual = cfg.attn_residual
     self.ffn = cfg.ffn
@@ -183,8 +184,8 @@ class _GATLayer(nnx.Module):
   def __init__(self, in_dim: int, heads: int, head_dim: int, cfg: GraphTransformerConfig, *,
                last: bool, rngs: nnx.Rngs):
     self.heads, self.head_dim, self.last, self.impl = heads, head_dim, last, cfg.impl
-    self.proj = nnx.Linear(in_dim, heads * head_dim, rngs=rngs)  # GAT's W; values are W h
-    self.qk = nnx.Linear(heads * head_dim, 2 * heads * head_dim, rngs=rngs)  # small: inner -> q, k
+    self.proj = nnx.Linear(in_dim, heads * head_dim, rngs=rngs, **init.dense_defaults())  # GAT's W; values are W h
+    self.qk = nnx.Linear(heads * head_dim, 2 * heads * head_dim, rngs=rngs, **init.dense_defaults())  # small: inner -> q, k
     self.attn_drop = HashDropout(cfg.attn_dropout, rngs=rngs) if cfg.attn_dropout else None
     self.gate = nnx.Param(jnp.zeros(())) if cfg.dense_gate else None
 
@@ -220,14 +221,14 @@ class GraphTransformer(nnx.Module):
           + [_GATLayer(dims[-1], cfg.out_heads, cfg.out_dim, cfg, last=True, rngs=rngs)])
       self.drop = HashDropout(cfg.dropout, rngs=rngs)
       return
-    self.embed = nnx.Linear(cfg.num_features - cfg.lap_pe, cfg.hidden, rngs=rngs)
+    self.embed = nnx.Linear(cfg.num_features - cfg.lap_pe, cfg.hidden, rngs=rngs, **init.dense_defaults())
     if cfg.lap_pe:
-      self.pe = nnx.Linear(cfg.lap_pe, cfg.hidden, rngs=rngs)
+      self.pe = nnx.Linear(cfg.lap_pe, cfg.hidden, rngs=rngs, **init.dense_defaults())
       self.pe_rngs = rngs.fork()
     self.degree = DegreeEncoding(cfg.max_degree, cfg.hidden, rngs=rngs) if cfg.degree_encoding else None
     self.layers = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
-    self.head = nnx.Linear(cfg.hidden, cfg.out_dim, rngs=rngs)
+    self.norm = nnx.LayerNorm(cfg.hidden, rngs=rngs, **init.norm_defaults())
+    self.head = nnx.Linear(cfg.hidden, cfg.out_dim, rngs=rngs, **init.dense_defaults())
 
   def __call__(self, x, inputs: GraphInputs, *, dense_step: bool = False, attention_fn=None):
     """``dense_step`` must be a Python bool (it selects the compiled program)."""

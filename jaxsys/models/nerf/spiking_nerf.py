@@ -46,6 +46,7 @@ from jaxsys.nerf.grids import (Box, VoxelGrid, density_shift, density_to_alpha, 
 from jaxsys.nerf.rays import check_rays, num_samples_for, sample_rays, view_encoding
 from jaxsys.nerf.render import alpha_weights, composite
 from jaxsys.nn.spiking import LIFConfig, SpikingLinear, spike_count
+from jaxsys.core import init
 
 __all__ = [
     "coarse_mask", "CoarseGrids", "ColorMLP", "fit", "init_from_coarse", "lattice_alpha", "make_optimizer",
@@ -114,10 +115,10 @@ class ColorMLP(nnx.Module):
     if cfg.spiking:
       lif = LIFConfig(tau=cfg.tau, learn_tau=cfg.neuron == "plif")
       self.hidden = nnx.List([SpikingLinear(a, b, lif, rngs=rngs) for a, b in zip(d[:-2], d[1:-1])])
-      self.out = nnx.Linear(d[-2], d[-1], use_bias=False, rngs=rngs)
+      self.out = nnx.Linear(d[-2], d[-1], use_bias=False, rngs=rngs, **init.dense_defaults())
     else:
-      self.hidden = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(d[:-2], d[1:-1])])
-      self.out = nnx.Linear(d[-2], d[-1], rngs=rngs)
+      self.hidden = nnx.List([nnx.Linear(a, b, rngs=rngs, **init.dense_defaults()) for a, b in zip(d[:-2], d[1:-1])])
+      self.out = nnx.Linear(d[-2], d[-1], rngs=rngs, **init.dense_defaults())
 
   def __call__(self, x, valid=None):
     spikes = []

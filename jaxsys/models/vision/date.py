@@ -34,6 +34,7 @@ from jaxsys.core.errors import ConfigError, ShapeError, check_min, check_one_of,
 from jaxsys.vision import assign as A
 from jaxsys.vision.boxes import nms
 from jaxsys.vision.losses import one_to_many_loss, one_to_one_loss
+from jaxsys.core import init
 
 __all__ = [
     "ConvGNReLU", "DATE", "date_loss", "DATEConfig", "DATEHead", "decode_ltrb", "DetectionBackbone",
@@ -88,15 +89,15 @@ class DATEConfig:
 
 
 def _conv(cin, cout, rngs, *, k=3, stride=1, std=None, bias=0.0):
-  init = {} if std is None else {"kernel_init": nnx.initializers.normal(std)}
+  inits = init.dense_defaults() if std is None else {"kernel_init": init.normal(std)}
   return nnx.Conv(cin, cout, (k, k), strides=stride, padding="SAME", rngs=rngs,
-                  bias_init=nnx.initializers.constant(bias), **init)
+                  **{**inits, "bias_init": init.constant(bias)})
 
 
 class ConvGNReLU(nnx.Module):
   def __init__(self, cin, cout, groups, rngs, *, stride=1, std=None):
     self.conv = _conv(cin, cout, rngs, stride=stride, std=std)
-    self.norm = nnx.GroupNorm(cout, num_groups=math.gcd(groups, cout), rngs=rngs)
+    self.norm = nnx.GroupNorm(cout, num_groups=math.gcd(groups, cout), rngs=rngs, **init.norm_defaults())
 
   def __call__(self, x):
     return jax.nn.relu(self.norm(self.conv(x)))

@@ -32,6 +32,7 @@ from flax import nnx
 from jaxsys.core.errors import ShapeError, check_divisible, check_min
 from jaxsys.models.llm.decoder import Decoder, DecoderConfig
 from jaxsys.ops import attention
+from jaxsys.core import init
 
 __all__ = [
     "FrameEncoder", "Projector", "rebuild", "VisionBlock", "VLM", "vlm_loss", "VLMConfig",
@@ -62,12 +63,12 @@ class VLMConfig:
 class VisionBlock(nnx.Module):
   def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
     self.heads = heads
-    self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
-    self.qkv = nnx.Linear(dim, 3 * dim, rngs=rngs)
-    self.out = nnx.Linear(dim, dim, rngs=rngs)
-    self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
-    self.fc1 = nnx.Linear(dim, 2 * dim, rngs=rngs)
-    self.fc2 = nnx.Linear(2 * dim, dim, rngs=rngs)
+    self.norm1 = nnx.LayerNorm(dim, rngs=rngs, **init.norm_defaults())
+    self.qkv = nnx.Linear(dim, 3 * dim, rngs=rngs, **init.dense_defaults())
+    self.out = nnx.Linear(dim, dim, rngs=rngs, **init.dense_defaults())
+    self.norm2 = nnx.LayerNorm(dim, rngs=rngs, **init.norm_defaults())
+    self.fc1 = nnx.Linear(dim, 2 * dim, rngs=rngs, **init.dense_defaults())
+    self.fc2 = nnx.Linear(2 * dim, dim, rngs=rngs, **init.dense_defaults())
 
   def __call__(self, x):  # [n, patches, dim]
     n, p, d = x.shape
@@ -82,11 +83,11 @@ class FrameEncoder(nnx.Module):
 
   def __init__(self, cfg: VLMConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.patch = nnx.Linear(cfg.patch_dim, cfg.vision_hidden, rngs=rngs)
-    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.patches, cfg.vision_hidden)))
+    self.patch = nnx.Linear(cfg.patch_dim, cfg.vision_hidden, rngs=rngs, **init.dense_defaults())
+    self.pos = nnx.Param(init.normal(0.02)(rngs.params(), (cfg.patches, cfg.vision_hidden)))
     self.blocks = nnx.List([VisionBlock(cfg.vision_hidden, cfg.vision_heads, rngs=rngs)
                             for _ in range(cfg.vision_layers)])
-    self.norm = nnx.LayerNorm(cfg.vision_hidden, rngs=rngs)
+    self.norm = nnx.LayerNorm(cfg.vision_hidden, rngs=rngs, **init.norm_defaults())
 
   def __call__(self, frames):
     c = self.cfg
@@ -108,8 +109,8 @@ class FrameEncoder(nnx.Module):
 
 class Projector(nnx.Module):
   def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
-    self.fc1 = nnx.Linear(din, dout, rngs=rngs)
-    self.fc2 = nnx.Linear(dout, dout, rngs=rngs)
+    self.fc1 = nnx.Linear(din, dout, rngs=rngs, **init.dense_defaults())
+    self.fc2 = nnx.Linear(dout, dout, rngs=rngs, **init.dense_defaults())
 
   def __call__(self, x):
     return self.fc2(jax.nn.gelu(self.fc1(x)))
