@@ -252,9 +252,10 @@ def make_loop_step(graphdef, template, tx, loss_fn, accum: int, on_nonfinite: st
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
     first_bad = health["first_bad"]
     apply = ok if on_nonfinite == "skip" else ok & (first_bad < 0)
-    keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731 (fuses into the update)
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    # One conditional, not a select per leaf: new_params also feed the finiteness reduction, so
+    # per-leaf selects could not fuse into the update and each copied the predicate's and-chain
+    # (~140 more fusions on a 42-leaf model; its step compiled in 9.1 s instead of 6.6 s).
+    params, opt_state = jax.lax.cond(apply, lambda: (new_params, new_opt_state), lambda: (params, opt_state))
     done = health["step"] + 1
     is_first = ~ok & (first_bad < 0)
     health = {"step": done, "first_bad": jnp.where(is_first, done, first_bad),
