@@ -77,6 +77,12 @@ def _smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_path():
+  """The installed SmolLM2-135M-Instruct GGUF file (the test skips when it is not installed)."""
+  return _smollm2_path()
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer():
   """The real SmolLM2 tokenizer (from the GGUF; converted once, then read from the cache)."""
   from jaxsys.models.llm.interop.gguf import load_tokenizer

@@ -377,3 +377,29 @@ def test_sentencepiece_tokenizer_matches_transformers(with_merges, tmp_path):
       assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
   assert (len(ours), ours.bos_token_id, ours.eos_token_id, ours.unk_token_id) == \
       (len(ref), ref.bos_token_id, ref.eos_token_id, ref.unk_token_id)
+
+
+def _same_header(path):
+  """The one-pass header reader against gguf's GGUFReader: every field, array length and tensor."""
+  from jaxsys.models.llm.interop import _gguf_header as H
+  header, reader = H.read_header(path, skipped=G._TOKEN_ARRAYS), gguf.GGUFReader(path)
+  assert header.meta == G._metadata(reader)
+  assert header.lengths == {k: len(f.data) for k, f in reader.fields.items()
+                            if f.types[0] == gguf.GGUFValueType.ARRAY}
+  assert [t.name for t in header.tensors] == [t.name for t in reader.tensors]
+  for ours, ref in zip(header.tensors, reader.tensors):
+    assert (ours.tensor_type, ours.n_elements, ours.n_bytes, ours.data_offset) == (
+        ref.tensor_type, ref.n_elements, ref.n_bytes, ref.data_offset), ref.name
+    np.testing.assert_array_equal(ours.shape, ref.shape)
+    assert ours.data.dtype == ref.data.dtype and ours.data.shape == ref.data.shape, ref.name
+    np.testing.assert_array_equal(ours.data, ref.data)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q8_0"])
+def test_header_reader_matches_gguf_on_written_files(dtype, tmp_path):
+  model = _tiny(rope=RopeConfig(theta=500.0, kind="linear", factor=2.0), bos_token_id=1)
+  _same_header(M.save_gguf(model, tmp_path / "m.gguf", dtype=dtype))
+
+
+def test_header_reader_matches_gguf_on_the_shipped_model(smollm2_path):
+  _same_header(smollm2_path)  # 49K tokens and merges skipped, Q4_1 / F32 tensors

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.llm._decoder_config import DecoderConfig
+from jaxsys.models.llm.interop._gguf_header import Header, TruncatedError, read_header
 from jaxsys.models.llm.interop._hf_config import ARCH_CLASSES, config_from_hf, config_to_hf
 from jaxsys.models.llm.decoder import Decoder
 from jaxsys.models.llm.interop.hf import _weight_map, _with_dtype, hf_state_dict, load_state_dict
@@ -186,6 +188,26 @@ def _metadata(reader) -> dict[str, Any]:
   return {k: _value(f) for k, f in reader.fields.items() if k not in _TOKEN_ARRAYS}
 
 
+def _header(path: str | os.PathLike) -> Header:
+  """The metadata (token arrays skipped), array lengths and tensor table of ``path``: one pass
+  over the header (``_gguf_header``), or ``GGUFReader`` for files that reader leaves to it.
+  ``InputError`` naming the file as :func:`_open` raises it."""
+  path = Path(path)
+  if not path.is_file():
+    raise InputError(f"{path} does not exist (expected a GGUF file)")
+  try:
+    header = read_header(path, skipped=_TOKEN_ARRAYS)
+  except TruncatedError as e:
+    raise InputError(f"{path} is truncated: {e}") from e
+  except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError, struct.error) as e:
+    raise InputError(f"{path} is not a readable GGUF file (truncated or corrupt): {e}") from e
+  if header is not None:
+    return header
+  reader = _open(path)
+  lengths = {k: len(f.data) for k, f in reader.fields.items() if f.types[0] == _VT.ARRAY}
+  return Header(_metadata(reader), lengths, list(reader.tensors))
+
+
 @functools.cache
 def _can_dequantize(qtype) -> bool:
   if qtype in (_GT.F32, _GT.F16):
@@ -287,13 +309,13 @@ def _llama3_from_factors(tensor, theta: float, head_dim: int, path: Path) -> dic
           "high_freq_factor": _LLAMA3_HIGH, "original_max_position_embeddings": _LLAMA3_ORIGINAL}
 
 
-def _config(reader, path: Path) -> DecoderConfig:
-  meta = _metadata(reader)
+def _config(header: Header, path: Path) -> DecoderConfig:
+  meta = header.meta
   arch = meta.get("general.architecture")
   if arch not in READ_ARCHS:
     raise ConfigError(f"{path.name}: general.architecture={arch!r} is not supported; from_gguf reads "
                       f"{list(READ_ARCHS)}")
-  tensors = {t.name: t for t in reader.tensors}
+  tensors = {t.name: t for t in header.tensors}
   p = arch + "."
   hidden, heads, ffn, layers, eps = (_need(meta, p + k, path) for k in (
       "embedding_length", "attention.head_count", "feed_forward_length", "block_count",
@@ -314,8 +336,8 @@ def _config(reader, path: Path) -> DecoderConfig:
       raise ConfigError(f"{path.name}: {p}{key}={meta[p + key]} differs from the head size {head_dim} "
                         "(partial rotary or a different value size is not supported)")
   vocab = meta.get(p + "vocab_size")
-  if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+  if vocab is None:
+    vocab = header.lengths.get("tokenizer.ggml.tokens")
   if vocab is None:
     raise InputError(f"{path} has neither {p}vocab_size nor tokenizer.ggml.tokens")
   d = {"model_type": arch, "architectures": [ARCH_CLASSES[arch]], "vocab_size": vocab,
@@ -335,7 +357,7 @@ def _config(reader, path: Path) -> DecoderConfig:
 
 def config_from_gguf(path: str | os.PathLike) -> DecoderConfig:
   """The :class:`DecoderConfig` described by a GGUF file's metadata (no tensor data is read)."""
-  return _config(_open(path), Path(path))
+  return _config(_header(path), Path(path))
 
 
 def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Callable | None = None,
@@ -348,12 +370,12 @@ def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Calla
   ``allow_nonfinite=True`` loads NaN/inf weights anyway).
   """
   path = Path(path)
-  reader = _open(path)
-  config = _with_dtype(_config(reader, path), dtype)
+  header = _header(path)
+  config = _with_dtype(_config(header, path), dtype)
   if config_changes:
     config = config.replace(**config_changes)
   tensors = {}
-  for t in reader.tensors:
+  for t in header.tensors:
     if t.name == _ROPE_FREQS:  # read into config.rope above
       continue
     if not _can_dequantize(t.tensor_type):
@@ -364,7 +386,7 @@ def from_gguf(path: str | os.PathLike, dtype=jnp.float32, *, attention_fn: Calla
     tensors[name] = _LazyTensor(t, shape, _permuted_heads(config.arch, name, config), allow_nonfinite)
   expected = set(_weight_map(config))
   missing = sorted(_gguf_name(n) for n in expected - set(tensors))
-  extra = sorted(t.name for t in reader.tensors if t.name != _ROPE_FREQS and _hf_name(t.name) not in expected)
+  extra = sorted(t.name for t in header.tensors if t.name != _ROPE_FREQS and _hf_name(t.name) not in expected)
   # Unexpected names first: a fused or renamed tensor (e.g. attn_qkv) explains the missing ones.
   for what, names in (("has tensors the config does not use", extra), ("lacks the tensors", missing)):
     if names:
