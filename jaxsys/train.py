@@ -73,7 +73,7 @@ from flax import nnx
 
 from jaxsys.core.errors import ConfigError, InputError, ShapeError, check_one_of
 from jaxsys.core.step import StepsRun, apply_optax, make_train_step, run_steps  # noqa: F401  (re-exported: the loop family)
-from jaxsys.core.mesh import RULE_SETS, entry_axes, logical_sharding, logical_to_spec, on_auto_axes
+from jaxsys.core.mesh import RULE_SETS, entry_axes, logical_sharding, logical_to_spec, on_auto_axes, put
 from jaxsys.core.optim import OptimizerConfig
 
 __all__ = [
@@ -296,7 +296,7 @@ def place_params(pure, specs, mesh):
   table = dict(jax.tree_util.tree_flatten_with_path(
       specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, _trimmed(table[path]))), pure)
+      lambda path, x: put(x, jax.sharding.NamedSharding(mesh, _trimmed(table[path]))), pure)
 
 
 def _trimmed(spec):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.core.errors import ConfigError, ShapeError
-from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logical_to_spec
+from jaxsys.core.mesh import entry_axes, entry_ways, explicit_axes, hint, logical_to_spec, put
 from jaxsys.nn.explicit import explicit_ok
 from jaxsys.core import init as initializers
 
@@ -147,7 +147,7 @@ def shard_params(module: nnx.Module, mesh, rules=None, *, replicate_indivisible:
   state = nnx.state(module, nnx.Param)
   specs = param_specs(module, mesh, rules, replicate_indivisible=replicate_indivisible)
   shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
-  nnx.update(module, jax.device_put(state, shardings))
+  nnx.update(module, put(state, shardings))
   return module
 
 
