@@ -52,9 +52,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: experiments/README.md); only the progress line's estimate of the time left uses them (scaled by
 #: how fast the finished experiments ran against these).
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 36, "decode_speed": 21, "real_lm": 40, "tiny_lm": 49, "mmsp": 57, "vniah": 67, "mrsp": 120,
-    "lserve": 85, "serving": 120, "tlt": 114, "torchgt": 96, "gnn_quant": 96, "cluster": 24,
-    "spiking_nerf": 70, "date": 126, "scaling": 59,
+    "attention": 36, "decode_speed": 23, "real_lm": 39, "tiny_lm": 46, "mmsp": 52, "vniah": 64, "mrsp": 106,
+    "lserve": 75, "serving": 101, "tlt": 114, "torchgt": 87, "gnn_quant": 78, "cluster": 23,
+    "spiking_nerf": 75, "date": 129, "scaling": 48,
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
