@@ -73,13 +73,18 @@ class _Cursor:
       self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
 
 
-def _scalar(cur: _Cursor, vtype) -> Any:
-  if vtype == _VT.STRING:
-    return cur.string()
-  v = cur.take(_SCALARS[vtype])
+def to_python(v, vtype) -> Any:
+  """A decoded non-string GGUF scalar ``v`` of type ``vtype`` as the Python value loading uses
+  (both readers decode through this)."""
+  if vtype == _VT.BOOL:
+    return bool(v)
   if vtype == _VT.FLOAT32:  # the shortest decimal of the float32 (1e-05, not 9.99999974e-06)
     return float(str(np.float32(v)))
-  return bool(v) if vtype == _VT.BOOL else (float(v) if vtype == _VT.FLOAT64 else int(v))
+  return float(v) if vtype == _VT.FLOAT64 else int(v)
+
+
+def _scalar(cur: _Cursor, vtype) -> Any:
+  return cur.string() if vtype == _VT.STRING else to_python(cur.take(_SCALARS[vtype]), vtype)
 
 
 def _value(cur: _Cursor, vtype, keep: bool = True):

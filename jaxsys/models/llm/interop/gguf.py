@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxsys.core.errors import ConfigError, InputError
 from jaxsys.models.llm._decoder_config import DecoderConfig
-from jaxsys.models.llm.interop._gguf_header import Header, TruncatedError, read_header
+from jaxsys.models.llm.interop._gguf_header import Header, TruncatedError, read_header, to_python
 from jaxsys.models.llm.interop._hf_config import ARCH_CLASSES, config_from_hf, config_to_hf
 from jaxsys.models.llm.decoder import Decoder
 from jaxsys.models.llm.interop.hf import _weight_map, _with_dtype, hf_state_dict, load_state_dict
@@ -169,12 +169,7 @@ def _scalar(part: np.ndarray, vtype) -> Any:
   if vtype == _VT.STRING:
     return bytes(part).decode("utf-8")
   v = part.tolist()
-  v = v[0] if isinstance(v, list) else v
-  if vtype == _VT.BOOL:
-    return bool(v)
-  if vtype == _VT.FLOAT32:  # the shortest decimal of the float32 (1e-05, not 9.99999974e-06)
-    return float(str(np.float32(v)))
-  return float(v) if vtype == _VT.FLOAT64 else int(v)
+  return to_python(v[0] if isinstance(v, list) else v, vtype)
 
 
 def _value(field) -> Any:
