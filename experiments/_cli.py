@@ -13,6 +13,8 @@
   (``with_compute_dtype``) and mmsp's attention inputs.
 * ``--seed S``: base seed of the data and initialisation, where ``run`` takes ``seed`` (``jaxsys
   reproduce --seed S`` reruns the quick table on other draws: experiments/README.md has the spread).
+* XLA:CPU: ``jaxsys.core.xla_cpu.apply()`` adds the CPU compiler flags measured on these workloads
+  (convolutions outside YNNPACK) to ``XLA_FLAGS`` before any JAX work.
 * Multi-host: every experiment calls ``jaxsys.parallel.distributed.initialize_distributed()``
   before any JAX work, so the same command runs under SLURM ``srun``, on every worker of a TPU VM
   pod, or with ``JAXSYS_COORDINATOR_ADDRESS`` / ``JAXSYS_NUM_PROCESSES`` / ``JAXSYS_PROCESS_ID``
@@ -28,6 +30,7 @@ import os
 import re
 import sys
 
+from jaxsys.core import xla_cpu
 from jaxsys.experiments import parse_mesh, parse_seed  # the runner's parsers too
 
 _COUNT = "--xla_force_host_platform_device_count"
@@ -96,6 +99,7 @@ def main(name: str, argv=None):
   args = parser.parse_args(argv)
   if args.devices is not None or _COUNT not in os.environ.get("XLA_FLAGS", ""):
     set_cpu_devices(args.devices or default_devices)
+  xla_cpu.apply()  # XLA:CPU settings measured on these workloads (jaxsys.core.xla_cpu)
   from jaxsys.parallel.distributed import initialize_distributed
   initialize_distributed()  # no-op on one host
   kw = {}

@@ -54,9 +54,10 @@ def _settings(quick: bool, seed: int = 0) -> dict:
   # Full mode repeats the comparison with AdamW as an ablation: Adam's per-parameter step sizes
   # largely make up for the one-to-one branch's sparse gradient, so dual assignment gains less.
   if quick:
-    # one seed of 240 steps (~50-65 s per detector on 2 cores): the quick run's budget is ~2
-    # minutes. Dual vs one-to-one-only steps-to-AP read 0.68 / 0.92 / 0.89 over seeds 0-2 at 240
-    # steps (0.78-0.89 at 320), the dual detector's final AP ahead in all three (experiments/README.md)
+    # one seed of 240 steps (~35-45 s per detector on 2 cores, convolutions outside YNNPACK:
+    # jaxsys.core.xla_cpu): the quick run's budget is ~2 minutes. Dual vs one-to-one-only
+    # steps-to-AP read 0.71 / 0.85 / 0.81 over seeds 0-2 at 240 steps, the dual detector's final
+    # AP ahead in all three (experiments/README.md)
     return {"seeds": [reseed(0, seed)], "steps": 240, "eval_every": 40,
             "train_images": 4096, "eval_images": 128, "batch_size": 16, "warmup_steps": 60,
             "optimizers": {"sgd": {"optimizer": "sgd", "learning_rate": 1e-2}}}
@@ -241,7 +242,7 @@ def run(quick: bool, out_dir: str, seed: int = 0) -> list[Row]:
   for name in (main_opt, *ablations):
     curves, finals, last, detect = _train_all(st, st["optimizers"][name], cfgs, train, ev, gts, out, name)
     tag = "" if name == main_opt else f", {name} ablation"
-    # quick (one seed, 240 steps) read 0.68 / 0.92 / 0.89 over seeds 0-2 (320 steps: 0.78-0.89):
+    # quick (one seed, 240 steps) read 0.71 / 0.85 / 0.81 over seeds 0-2:
     # the dual detector is faster in every run, by less than full mode's six-seed 0.7
     r, level, extra_levels = accuracy_rows(curves, finals, len(curves["dual"]), tag,
                                            steps_goal="<= 0.95" if quick else "<= 0.7")
