@@ -300,11 +300,11 @@ class ServingEngine:
     if sel is not None:
       reselect = reselect or self._numbers is None or self._since_select >= sel.reuse_steps
       self._since_select = 1 if reselect else self._since_select + 1
-    numbers = self._numbers if self._numbers is not None else [None] * self.cache_config.num_layers
+    numbers = self._numbers if self._numbers is not None else self._no_selection(len(rids))
     drawn, self.cache.state, numbers = _decode_step(
         self._graphdef, self._params, self.cache_config, sel, self.cache.state, jnp.asarray(tokens),
         jnp.asarray(lengths), jnp.asarray(active), jnp.asarray(bt), jnp.asarray(stt),
-        tuple(numbers), bool(reselect) if sel is not None else True, self.config.lserve.impl,
+        tuple(numbers), np.bool_(reselect if sel is not None else True), self.config.lserve.impl,
         bool(keep_logits), ints, floats, pen)
     self._numbers = list(numbers) if sel is not None else None
     for rid in rids:
@@ -312,8 +312,20 @@ class ServingEngine:
         self.cache.seqs[rid].length += 1
     return drawn
 
+  def _no_selection(self, slots: int) -> list:
+    """The selection a decode step starts from before any (it re-selects then): per layer
+    ``int32[slots, r_l, K]`` of -1 where the step selects pages (a retrieval head and more pages
+    than the budget), else None. Arrays of the carried selection's shape, not None, so the first
+    step runs the executable of every later re-selecting step instead of compiling its own."""
+    c, sel = self.cache_config, self.selection
+    if sel is None or self.mesh is not None or self.max_pages <= sel.num_select:
+      return [None] * c.num_layers
+    return [np.full((slots, len(r), sel.num_select), -1, np.int32) if len(r) else None
+            for r in map(c.retrieval_heads, range(c.num_layers))]
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3, 11, 12, 13), donate_argnums=(4,))
+
+# reselect (11) is traced: re-selecting and reusing steps share one executable
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 12, 13), donate_argnums=(4,))
 def _decode_step(graphdef, params, c: PagedCacheConfig, sel, st, tokens, positions, active, bt,
                  stt, numbers, reselect, impl, keep_logits, ints, floats, pen):
   model = nnx.merge(graphdef, params)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxsys.core.errors import ConfigError, check_min, check_range
@@ -111,19 +112,28 @@ def check_selection(c: PagedCacheConfig, sel: ps.SelectionConfig | None):
 def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st: PagedState,
                         layer, q, block_table, lengths, numbers=None, *, reselect=True,
                         impl="auto"):
-  """Retrieval-head attention ``q [b, r*g, d] -> ([b, r*g, d], numbers [b, r, K] or None)``."""
+  """Retrieval-head attention ``q [b, r*g, d] -> ([b, r*g, d], numbers [b, r, K] or None)``.
+
+  ``reselect``: a Python bool, or a traced ``bool[]`` (the engine's: the re-selecting and the
+  reusing decode steps then share one executable, a ``lax.cond`` skipping the page scores when it
+  reuses ``numbers``)."""
   check_selection(c, sel)
   r = len(c.retrieval_heads(layer))
   if sel is None or block_table.shape[1] <= sel.num_select:
     # Dense, or every page fits the budget (static): selection would keep all pages anyway.
     idx, num = ps.all_pages(block_table, lengths, r, page_size=c.page_size)
   else:
-    if reselect or numbers is None:
+    def select():
       scores = ps.page_scores(q, st.kmin[layer], st.kmax[layer], block_table, lengths,
                               page_size=c.page_size, logical_page_size=c.logical_page_size,
                               impl=impl)
-      numbers = ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size,
-                                sink_pages=sel.sink_pages)
+      return ps.select_pages(scores, lengths, num_select=sel.num_select, page_size=c.page_size,
+                             sink_pages=sel.sink_pages)
+
+    if numbers is None or reselect is True:
+      numbers = select()
+    elif reselect is not False:  # traced: one executable re-selects or reuses at run time
+      numbers = jax.lax.cond(reselect, select, lambda: numbers)
     num = ps.with_newest_page(numbers, lengths, page_size=c.page_size)
     idx = ps.physical_pages(block_table, num)
   (k, ks), (v, vs) = st.pool("k", layer), st.pool("v", layer)

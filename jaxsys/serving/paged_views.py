@@ -127,7 +127,7 @@ class PagedDecode:
   numbers: tuple            # per layer: retrieval page selection [slots, r_l, K] or None
   config: PagedCacheConfig = dataclasses.field(**_static)
   selection: Any = dataclasses.field(default=None, **_static)  # page_select.SelectionConfig
-  reselect: bool = dataclasses.field(default=True, **_static)
+  reselect: Any = True      # bool, or traced bool[]: re-select the retrieval pages this step
   impl: str = dataclasses.field(default="auto", **_static)
 
   lengths = None

@@ -57,6 +57,28 @@ def test_dense_and_lserve_decode_equal_full_forward(model):
     assert e.cache.alloc.num_free == 24 and not e.cache.seqs
 
 
+def test_selecting_engine_runs_one_decode_executable(model):
+  """Page selection active (10 pages a request, a budget of 3): the first step (no selection yet),
+  the re-selecting steps and the reusing ones run one decode executable, not one each."""
+  ls = ServingEngine(model, ServingConfig(lserve=LServeConfig(token_budget=16, reuse_steps=3, **SMALL),
+                                          max_batch=2, num_pages=27, max_seq_len=80))
+  assert ls.max_pages > ls.selection.num_select
+  compiled = []
+
+  def listener(event, duration, fun_name="", **kw):
+    if event == "/jax/core/compile/backend_compile_duration" and "_decode_step" in fun_name:
+      compiled.append(fun_name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    r = ls.generate(_prompts(), [6, 9, 4], stop_tokens=())
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert [len(t) for t in r.tokens] == [6, 9, 4]
+  assert len(compiled) == 1  # num_pages=27: no other test's executable
+  assert ls.cache.alloc.num_free == 27 and not ls.cache.seqs
+
+
 def test_rejects_request_it_cannot_hold_without_disturbing_others(model):
   prompts = _prompts((40, 90, 45), seed=1)
   res = _dense_engine(model).generate(prompts, 5, stop_tokens=())

@@ -64,6 +64,26 @@ def test_small_budget_reads_top_pages_only():
       np.testing.assert_allclose(out[0, hq], (p / p.sum()) @ np.asarray(v[0, keep, h]), atol=1e-5)
 
 
+def test_traced_reselect_matches_static_reselect_and_reuse():
+  """One executable with ``reselect`` traced gives what the two static ones give: new page
+  numbers when it re-selects, the carried ones (and attention over them) when it reuses."""
+  c, st, q, *_, bt, stt, lengths = _filled((False, False), seed=2)
+  sel = SelectionConfig(token_budget=24, page_size=8, logical_page_size=4)
+  carried = jnp.asarray([[[0, 1, -1], [0, 2, -1]]], jnp.int32)  # not what scoring picks
+
+  def run(reselect):
+    return lserve.decode_attention(c, sel, st, 0, q, bt, stt, lengths, carried, reselect=reselect)
+
+  traced = jax.jit(run)
+  for flag in (True, False):
+    (o_s, n_s), (o_t, n_t) = jax.jit(functools.partial(run, flag))(), traced(jnp.bool_(flag))
+    np.testing.assert_array_equal(n_t, n_s)
+    np.testing.assert_allclose(o_t, o_s, atol=1e-6, rtol=1e-6)
+  assert (np.asarray(traced(jnp.bool_(False))[1]) == np.asarray(carried)).all()
+  assert not (np.asarray(traced(jnp.bool_(True))[1]) == np.asarray(carried)).all()
+  assert traced._cache_size() == 1
+
+
 def test_lserve_config_errors():
   with pytest.raises(ConfigError, match="token_budget=1000"):
     lserve.LServeConfig(token_budget=1000, page_size=64)
