@@ -52,9 +52,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
 #: experiments/README.md); only the progress line's estimate of the time left uses them (scaled by
 #: how fast the finished experiments ran against these).
 QUICK_SECONDS: dict[str, float] = {
-    "attention": 36, "decode_speed": 23, "real_lm": 39, "tiny_lm": 46, "mmsp": 52, "vniah": 64, "mrsp": 106,
-    "lserve": 75, "serving": 101, "tlt": 114, "torchgt": 87, "gnn_quant": 78, "cluster": 23,
-    "spiking_nerf": 75, "date": 129, "scaling": 48,
+    "attention": 36, "decode_speed": 21, "real_lm": 37, "tiny_lm": 43, "mmsp": 43, "vniah": 50,
+    "mrsp": 94, "lserve": 69, "serving": 93, "tlt": 101, "torchgt": 82, "gnn_quant": 76,
+    "cluster": 23, "spiking_nerf": 69, "date": 91, "scaling": 44
 }
 
 #: ``run`` parameter -> the command-line flag that feeds it (``experiments/_cli.py`` adds the flag to
