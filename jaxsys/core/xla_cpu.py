@@ -26,7 +26,8 @@ import os
 
 __all__ = ["apply", "CONVOLUTION_FLAG", "flags", "TESTED"]
 
-CONVOLUTION_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"
+_YNN_TYPES = "xla_cpu_experimental_ynn_fusion_type"  # YNNPACK's fusion list ("-x": x removed)
+CONVOLUTION_FLAG = f"--{_YNN_TYPES}=-individual_convolution"
 #: (major, minor) jaxlib versions whose XLA knows and was measured with :data:`CONVOLUTION_FLAG`.
 TESTED = ((0, 10),)
 
@@ -45,7 +46,7 @@ def flags(current: str | None = None) -> list[str]:
   :data:`CONVOLUTION_FLAG` on a :data:`TESTED` jaxlib unless ``current`` already chooses YNNPACK's
   fusion types; else none."""
   current = os.environ.get("XLA_FLAGS", "") if current is None else current
-  if _jaxlib_version() not in TESTED or "xla_cpu_experimental_ynn_fusion_type" in current:
+  if _jaxlib_version() not in TESTED or _YNN_TYPES in current:
     return []
   return [CONVOLUTION_FLAG]
 

@@ -318,7 +318,7 @@ class ServingEngine:
     than the budget), else None. Arrays of the carried selection's shape, not None, so the first
     step runs the executable of every later re-selecting step instead of compiling its own."""
     c, sel = self.cache_config, self.selection
-    if sel is None or self.mesh is not None or self.max_pages <= sel.num_select:
+    if self.mesh is not None or not lserve_lib.selects_pages(sel, self.max_pages):
       return [None] * c.num_layers
     return [np.full((slots, len(r), sel.num_select), -1, np.int32) if len(r) else None
             for r in map(c.retrieval_heads, range(c.num_layers))]

@@ -109,6 +109,12 @@ def check_selection(c: PagedCacheConfig, sel: ps.SelectionConfig | None):
                       f"logical_page_size={c.logical_page_size}")
 
 
+def selects_pages(sel: ps.SelectionConfig | None, max_pages: int) -> bool:
+  """Whether decode selects retrieval pages over block tables of ``max_pages`` columns (static):
+  not in dense mode, nor when every page fits the budget (selection would keep them all)."""
+  return sel is not None and max_pages > sel.num_select
+
+
 def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st: PagedState,
                         layer, q, block_table, lengths, numbers=None, *, reselect=True,
                         impl="auto"):
@@ -119,8 +125,7 @@ def retrieval_attention(c: PagedCacheConfig, sel: ps.SelectionConfig | None, st:
   reuses ``numbers``)."""
   check_selection(c, sel)
   r = len(c.retrieval_heads(layer))
-  if sel is None or block_table.shape[1] <= sel.num_select:
-    # Dense, or every page fits the budget (static): selection would keep all pages anyway.
+  if not selects_pages(sel, block_table.shape[1]):
     idx, num = ps.all_pages(block_table, lengths, r, page_size=c.page_size)
   else:
     def select():
