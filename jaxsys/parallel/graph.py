@@ -213,7 +213,8 @@ def plan_arrays(plan: GraphPartitionPlan, mesh: Mesh, axis: str = "graph") -> di
   step does not embed graph-sized constants)."""
   shard = NamedSharding(program_mesh(mesh), P(axis))
   names = ("senders", "receivers", "send_idx", "degree", "node_mask", "features")
-  return {k: jax.device_put(jnp.asarray(getattr(plan, k)), shard) for k in names}
+  # numpy straight into the shards (no device-0 copy resharded by a compiled program)
+  return {k: jax.device_put(np.asarray(getattr(plan, k)), shard) for k in names}
 
 
 def _apply(graphdef, state, feats, arrays, plan, mesh, axis, dense_step, dense_strategy):

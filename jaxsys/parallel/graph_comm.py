@@ -315,7 +315,10 @@ class SylvieTrainer:
 
   # -- data placement
   def _put(self, arr):
-    return jax.device_put(jnp.asarray(arr), NamedSharding(program_mesh(self.mesh), P(self.cfg.axis)))
+    # From host memory straight into the shards: jnp.asarray first would put the whole array on
+    # one device and reshard it with a compiled slicing program per shape.
+    arr = arr if isinstance(arr, jax.Array) else np.asarray(arr)
+    return jax.device_put(arr, NamedSharding(program_mesh(self.mesh), P(self.cfg.axis)))
 
   def put_nodes(self, arr, fill=0):
     """Global per-node ``[N, ...]`` -> ``[P, Nl, ...]`` split over the partition axis (padding

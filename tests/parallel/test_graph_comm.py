@@ -133,3 +133,21 @@ def test_bad_partitions(setup):
     SylvieTrainer(plan, dims, SylvieConfig(), make_mesh({"graph": 4}))
   with pytest.raises(ConfigError, match="staleness"):
     SylvieConfig(staleness=-1)
+
+
+def test_node_arrays_go_from_host_to_their_shards_without_a_compile(setup):
+  """``put_nodes`` places numpy straight into the shards; a whole-array copy on one device,
+  resharded, would compile a slicing program for every new shape (the second half shows it)."""
+  from jaxsys.core.bench import compile_count
+  ds, plan, dims, _ = setup
+  trainer = SylvieTrainer(plan, dims, SylvieConfig(), make_mesh({"graph": 8}))
+  feats = np.asarray(ds.features, np.float64)[:, :7] + 0.5   # a shape no other test places
+  before = compile_count()
+  placed = trainer.put_nodes(feats)
+  assert compile_count() == before
+  assert placed.dtype == jnp.float32 and placed.sharding.spec[0] == "graph"
+  slab = plan.shard_nodes(feats, 0)
+  np.testing.assert_allclose(np.asarray(placed), slab.astype(np.float32))
+  via_device = jax.device_put(jnp.asarray(slab[:, :, :5]), placed.sharding)  # the old way
+  assert compile_count() > before
+  np.testing.assert_allclose(np.asarray(via_device), slab[:, :, :5].astype(np.float32))
