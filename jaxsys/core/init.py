@@ -9,7 +9,8 @@ and a model with 30 parameter shapes compiles ~60 programs before its first step
 element ``i`` of a draw depends on the key and ``i`` alone, so ``normal(key, (m,))[:n]`` equals
 ``normal(key, (n,))`` bit for bit for ``n <= m``, and a draw of shape ``s`` is the flat draw of
 ``prod(s)`` values reshaped. Here a draw of ``n`` values is cut from one of :func:`bucket` ``(n)``
-values (the next of 256, 384, 512, 768, ... : at most 1.5x the values), and the scaling and zero /
+values (65536 for every parameter up to that size, then the next of 2^k and 1.5 x 2^k: at most 1.5x
+the values above it), and the scaling and zero /
 one fills run in numpy: a model's parameters share a handful of programs, which the persistent
 compilation cache also shares between processes. The values are the ones ``jax.nn.initializers``
 gives, bit for bit (tests/core/test_init.py compares every initializer here over many shapes).
@@ -34,13 +35,16 @@ import numpy as np
 __all__ = ["bucket", "constant", "dense_defaults", "embed_defaults", "glorot_uniform", "he_normal",
            "lecun_normal", "norm_defaults", "normal", "ones", "uniform", "variance_scaling", "zeros"]
 
-_MIN_BUCKET = 256
+# Every draw up to 2^16 values shares one program per kind (normal / truncated normal / uniform):
+# a small model's biases, norms and matrices then compile one or two programs, not one per octave
+# (~0.25 s of XLA:CPU each, ~7 octaves from 256). A 2^16 draw costs ~1 ms on the host.
+_MIN_BUCKET = 1 << 16
 _TRUNCATED_STD = 0.87962566103423978  # stddev of a standard normal truncated to (-2, 2), as in jax
 
 
 def bucket(n: int) -> int:
-  """The draw length that serves ``n`` values: the smallest of 2^k and 1.5 x 2^k (>= 256) that is
-  >= ``n``. Two programs per octave; a draw wastes at most a third of its values."""
+  """The draw length that serves ``n`` values: the smallest of 2^k and 1.5 x 2^k (>= 2^16) that is
+  >= ``n``. Two programs per octave above 2^16; there a draw wastes at most a third of its values."""
   size = _MIN_BUCKET
   while size < n:
     size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4

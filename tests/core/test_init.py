@@ -52,13 +52,13 @@ def test_other_dtypes_and_traced_keys_take_jax_path():
 
 
 def test_shapes_share_programs():
-  """Thirteen new shapes of one bucket draw from one program (jax's initializer: one per shape)."""
+  """New shapes up to 2^16 values draw from one program (jax's initializer: one per shape)."""
   lecun = init.lecun_normal()
   key = jax.random.key(0)
   lecun(key, (30, 30))  # the bucket's program compiled once
   before = compile_count()
-  for n in range(39, 52):  # 780..1020 values: the 1024 bucket
-    lecun(key, (n, 20))
+  for shape in [(n, 20) for n in range(39, 52)] + [(7, 3), (300, 200), (16, 4096)]:  # 21 .. 65536 values
+    lecun(key, shape)
   assert compile_count() == before
   for n in range(31, 33):  # jax's own initializer: a program per shape
     jax.nn.initializers.lecun_normal()(key, (n, 21))
@@ -66,10 +66,11 @@ def test_shapes_share_programs():
 
 
 def test_bucket():
-  assert [init.bucket(n) for n in (1, 256, 257, 384, 385, 512, 513, 768, 769)] == [
-      256, 256, 384, 384, 512, 512, 768, 768, 1024]
-  for n in range(1, 5000, 37):
-    assert n <= init.bucket(n) <= max(256, 1.5 * n)
+  k = 1 << 16
+  assert [init.bucket(n) for n in (1, 256, k, k + 1, 3 * k // 2, 3 * k // 2 + 1, 2 * k + 1)] == [
+      k, k, k, 3 * k // 2, 3 * k // 2, 2 * k, 3 * k]
+  for n in range(1, 20 * k, 4099):
+    assert n <= init.bucket(n) <= max(k, 1.5 * n)
 
 
 def test_bad_arguments():
