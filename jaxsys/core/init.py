@@ -37,7 +37,7 @@ __all__ = ["bucket", "constant", "dense_defaults", "embed_defaults", "glorot_uni
 
 # Every draw up to 2^16 values shares one program per kind (normal / truncated normal / uniform):
 # a small model's biases, norms and matrices then compile one or two programs, not one per octave
-# (~0.25 s of XLA:CPU each, ~7 octaves from 256). A 2^16 draw costs ~1 ms on the host.
+# (~0.25 s of XLA:CPU each, ~7 octaves from 256). A 2^16 draw costs 1-1.5 ms on the host.
 _MIN_BUCKET = 1 << 16
 _TRUNCATED_STD = 0.87962566103423978  # stddev of a standard normal truncated to (-2, 2), as in jax
 
