@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsys.core.errors import ConfigError
-from jaxsys.core.mesh import explicit_axes, place, program_mesh
+from jaxsys.core.mesh import explicit_axes, place, program_mesh, put
 from jaxsys.core.step import make_train_step
 from jaxsys.graphs.dataset import NodeDataset, degrees
 from jaxsys.graphs.partition import metis_partition
@@ -213,8 +213,7 @@ def plan_arrays(plan: GraphPartitionPlan, mesh: Mesh, axis: str = "graph") -> di
   step does not embed graph-sized constants)."""
   shard = NamedSharding(program_mesh(mesh), P(axis))
   names = ("senders", "receivers", "send_idx", "degree", "node_mask", "features")
-  # numpy straight into the shards (no device-0 copy resharded by a compiled program)
-  return {k: jax.device_put(np.asarray(getattr(plan, k)), shard) for k in names}
+  return put({k: getattr(plan, k) for k in names}, shard)  # host -> shards, no reshard program
 
 
 def _apply(graphdef, state, feats, arrays, plan, mesh, axis, dense_step, dense_strategy):

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsys.core.optim import OptimizerConfig, check_nested
 from jaxsys.core.errors import ConfigError, InputError, ShapeError
-from jaxsys.core.mesh import place, program_mesh
+from jaxsys.core.mesh import place, program_mesh, put
 from jaxsys.graphs.node_loss import masked_node_cross_entropy
 from jaxsys.ops.quantized_agg import normalized_edges
 from jaxsys.quant.comm import bytes_per_row, dequantize_1bit, quantize_1bit
@@ -315,10 +315,9 @@ class SylvieTrainer:
 
   # -- data placement
   def _put(self, arr):
-    # From host memory straight into the shards: jnp.asarray first would put the whole array on
-    # one device and reshard it with a compiled slicing program per shape.
-    arr = arr if isinstance(arr, jax.Array) else np.asarray(arr)
-    return jax.device_put(arr, NamedSharding(program_mesh(self.mesh), P(self.cfg.axis)))
+    # mesh.put: from host memory straight into the shards (jnp.asarray first would put the whole
+    # array on one device and reshard it with a compiled slicing program per shape)
+    return put(arr, NamedSharding(program_mesh(self.mesh), P(self.cfg.axis)))
 
   def put_nodes(self, arr, fill=0):
     """Global per-node ``[N, ...]`` -> ``[P, Nl, ...]`` split over the partition axis (padding
