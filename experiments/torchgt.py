@@ -41,6 +41,7 @@ HEADS, HEAD_DIM = 4, 16
 BLOCK = 64
 NO_TILES = 2.0  # a density threshold no tile reaches: ECR off, the edge kernel alone
 THRESHOLDS = (0.02, 0.05, 0.1, NO_TILES)  # the tuner may also turn ECR off where tiles don't pay
+SHORT_CALL_NODES = 20_000  # graphs up to this size time 16 rounds (time_sparse_vs_reformed)
 
 
 def _settings(quick: bool, seed: int = 0) -> dict:
@@ -200,8 +201,12 @@ def time_sparse_vs_reformed(sparse, n, se, re, q, k, v, iters, thresholds=THRESH
   se, re = jnp.asarray(se), jnp.asarray(re)
   tune, rg, args, fn = tuned_reform(n, se, re, q, k, v, iters, thresholds)
   # Timed alternately (after the tuner's calls): neither pays alone for cold memory or load.
+  # Short calls get more rounds: at 10K (~20 ms a call) this host's calls fall into two speed
+  # modes (~20 and ~27 ms for the same program), and the minimum of 4 rounds of each could catch
+  # one function only in the slow mode (0.79 for two runs of the edge kernel itself).
+  rounds = 2 * iters if n > SHORT_CALL_NODES else max(2 * iters, 16)
   timed = time_interleaved({"sparse": (sparse, (q, k, v, se, re)),
-                            "reformed": (fn, (q, k, v, *args))}, rounds=2 * iters)
+                            "reformed": (fn, (q, k, v, *args))}, rounds=rounds)
   return timed["sparse"].ms, timed["reformed"].ms, tune, rg
 
 
