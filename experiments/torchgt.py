@@ -230,7 +230,8 @@ def scaling(s: dict, seed: int) -> tuple[list[Row], dict]:
     rows.append(Row(f"attention fwd+bwd {tag}: reformed vs sparse", "ms", ours=t_ref,
                     # with no tile dense enough (the tuner turned ECR off, or its threshold left no
                     # tile) "reformed" runs the edge kernel itself: equal within noise (0.86-1.18
-                    # over quick seeds 0-2, experiments/README.md)
+                    # over quick seeds 0-2; 0.92-1.10 at 10K and 0.93-1.09 at 100K with 16 rounds
+                    # at 10K, experiments/README.md)
                     baseline=t_sparse, baseline_name="sparse (edge) attention",
                     goal=">= 0.8" if thr == NO_TILES or rg.num_tiles == 0 else ">= 1",
                     note=f"ECR threshold {thr} (tuned over {s['thresholds']}), block {BLOCK}"))
